@@ -1,0 +1,355 @@
+"""The capacity solver: the fewest prefill and decode workers that meet both SLOs.
+
+Each pool is searched on its own (DESIGN §3.4): the prefill pool sets TTFT, the
+decode pool TPOT, and neither prediction depends on the other pool's size. A count
+is *feasible* when the pool is stable, its predicted P99 is at most the SLO divided
+by (1 + headroom), and (decode) the P99 of its batch and reserved KV fit the worker.
+Feasibility only improves as workers are added (property-tested), so the search
+brackets the answer by doubling from the smallest stable count and then bisects;
+both loops are capped by ``max_workers``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from queueing.budget import BudgetInfeasibleError, token_budget
+from queueing.decode import DecodeModel
+from queueing.lengths import LengthSamples
+from queueing.prefill import PrefillModel
+from queueing.profile import IterationProfile
+
+DEFAULT_QUANTILE = 0.99
+DEFAULT_MAX_WORKERS = 100_000
+
+
+class BindingConstraint(enum.Enum):
+    """Why a pool cannot have one worker fewer."""
+
+    MINIMUM = "minimum"  # one worker is enough
+    STABILITY = "stability"  # one fewer cannot keep up with the load at all
+    TTFT_SLO = "ttft_slo"
+    TPOT_SLO = "tpot_slo"
+    KV_CAPACITY = "kv_capacity"
+    BATCH_LIMIT = "batch_limit"
+
+
+class InfeasibleSLOError(ValueError):
+    """No worker count can meet an SLO; names the SLO and the floor that blocks it."""
+
+    def __init__(self, *, slo_name: str, target_s: float, floor_s: float, reason: str) -> None:
+        super().__init__(
+            f"{slo_name}: target {target_s:.4g} s (after headroom) cannot be met: {reason} "
+            f"(floor {floor_s:.4g} s)"
+        )
+        self.slo_name = slo_name
+        self.target_s = target_s
+        self.floor_s = floor_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class SloTargets:
+    """P-quantile latency targets in seconds (P99 by default)."""
+
+    ttft_p99_s: float
+    tpot_p99_s: float
+    quantile: float = DEFAULT_QUANTILE
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_p99_s", "tpot_p99_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
+        if not (0.5 <= self.quantile < 1.0):
+            raise ValueError(f"quantile: must be in [0.5, 1), got {self.quantile!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvLink:
+    """The prefill-to-decode link: handoff = latency + bytes / bandwidth."""
+
+    bytes_per_s: float = 50e9  # a 400 Gb/s RDMA NIC
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bytes_per_s) and self.bytes_per_s > 0):
+            raise ValueError(f"bytes_per_s: must be a finite number > 0, got {self.bytes_per_s!r}")
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"latency_s: must be a finite number >= 0, got {self.latency_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CapacityModel:
+    """Both pool models for one length mix, profile and TPOT SLO (which sets the budget)."""
+
+    prefill: PrefillModel
+    decode: DecodeModel
+    token_budget: int
+    profile: IterationProfile
+
+    @classmethod
+    def build(
+        cls,
+        samples: LengthSamples,
+        profile: IterationProfile,
+        *,
+        tpot_slo_s: float,
+        link: KvLink | None = None,
+        block_size_tokens: int = 16,
+    ) -> CapacityModel:
+        """Raises ``InfeasibleSLOError`` when not even a minimal iteration fits the TPOT SLO."""
+        link = link or KvLink()
+        try:
+            budget = token_budget(profile, tpot_slo_s=tpot_slo_s)
+        except BudgetInfeasibleError as exc:
+            raise InfeasibleSLOError(
+                slo_name="tpot_p99_s",
+                target_s=tpot_slo_s,
+                floor_s=exc.floor_s,
+                reason="one iteration of the smallest batch is already slower",
+            ) from exc
+        longest = int(samples.prompt_tokens.max() + samples.output_tokens.max())
+        if longest > profile.kv_capacity_tokens:
+            raise ValueError(
+                f"kv_capacity_tokens: {profile.kv_capacity_tokens} of profile {profile.name} "
+                f"cannot hold the longest request ({longest} tokens)"
+            )
+        return cls(
+            prefill=PrefillModel.build(samples, profile, token_budget=budget),
+            decode=DecodeModel.build(
+                samples,
+                profile,
+                max_batch=budget,
+                kv_link_bytes_per_s=link.bytes_per_s,
+                kv_link_latency_s=link.latency_s,
+                block_size_tokens=block_size_tokens,
+            ),
+            token_budget=budget,
+            profile=profile,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolPrediction:
+    """One pool at one size: its predicted P99 (None when unstable) and health."""
+
+    workers: int
+    p99_s: float | None
+    utilisation: float
+    meets_slo: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolveResult:
+    prefill_workers: int
+    decode_workers: int
+    ttft_p99_s: float
+    tpot_p99_s: float
+    token_budget: int
+    prefill_utilisation: float
+    decode_mean_batch: float
+    decode_kv_utilisation: float
+    prefill_bound: BindingConstraint
+    decode_bound: BindingConstraint
+    feasible: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["prefill_bound"] = self.prefill_bound.value
+        data["decode_bound"] = self.decode_bound.value
+        return data
+
+
+def _prefill_check(
+    model: CapacityModel, workers: int, rate: float, ca2: float, target_s: float, q: float
+) -> BindingConstraint | None:
+    """None when ``workers`` meets the TTFT target, else what stops it."""
+    if rate * model.prefill.mean_service_s >= workers:
+        return BindingConstraint.STABILITY
+    survival = model.prefill.ttft_survival(
+        workers=workers, arrival_rate_rps=rate, ca2=ca2, ttft_s=target_s
+    )
+    return None if survival <= 1.0 - q else BindingConstraint.TTFT_SLO
+
+
+def _decode_check(
+    model: CapacityModel, workers: int, rate: float, ca2: float, target_s: float, q: float
+) -> BindingConstraint | None:
+    decode = model.decode
+    if not decode.is_stable(workers=workers, arrival_rate_rps=rate):
+        return BindingConstraint.STABILITY
+    state = decode.load(workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q)
+    if state.kv_blocks_p99 > decode.kv_capacity_blocks:
+        return BindingConstraint.KV_CAPACITY
+    if state.batch_p99 > decode.max_batch:
+        return BindingConstraint.BATCH_LIMIT
+    survival = decode.tpot_survival(workers=workers, arrival_rate_rps=rate, ca2=ca2, tpot_s=target_s)
+    return None if survival <= 1.0 - q else BindingConstraint.TPOT_SLO
+
+
+def _smallest_feasible(
+    check: Callable[[int], BindingConstraint | None], start: int, max_workers: int
+) -> tuple[int, BindingConstraint] | None:
+    """The smallest n >= start with check(n) None, and what blocked n - 1."""
+    if check(start) is None:
+        blocked = check(start - 1) if start > 1 else None
+        return start, blocked or BindingConstraint.MINIMUM
+    lo, hi = start, start  # invariant: check(lo) fails
+    while True:
+        hi = min(max_workers, 2 * hi)
+        if check(hi) is None:
+            break
+        if hi == max_workers:
+            return None
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if check(mid) is None:
+            hi = mid
+        else:
+            lo = mid
+    blocked = check(lo)
+    assert blocked is not None
+    return hi, blocked
+
+
+def solve(
+    model: CapacityModel,
+    *,
+    arrival_rate_rps: float,
+    ca2: float,
+    slo: SloTargets,
+    headroom: float = 0.1,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+) -> SolveResult:
+    """The smallest (prefill, decode) worker counts meeting both SLOs with headroom.
+
+    Raises ``InfeasibleSLOError`` when an SLO is below what unlimited workers give,
+    or when ``max_workers`` is not enough.
+    """
+    if not (math.isfinite(arrival_rate_rps) and arrival_rate_rps > 0):
+        raise ValueError(f"arrival_rate_rps: must be a finite number > 0, got {arrival_rate_rps!r}")
+    if not (math.isfinite(ca2) and ca2 >= 0):
+        raise ValueError(f"ca2: must be a finite number >= 0, got {ca2!r}")
+    if not (math.isfinite(headroom) and 0 <= headroom < 10):
+        raise ValueError(f"headroom: must be in [0, 10), got {headroom!r}")
+    q = slo.quantile
+    ttft_target = slo.ttft_p99_s / (1.0 + headroom)
+    tpot_target = slo.tpot_p99_s / (1.0 + headroom)
+    ttft_floor = model.prefill.floor_quantile_s(q)
+    if ttft_floor > ttft_target:
+        raise InfeasibleSLOError(
+            slo_name="ttft_p99_s",
+            target_s=ttft_target,
+            floor_s=ttft_floor,
+            reason="the prefill of the longest prompts alone takes longer",
+        )
+    tpot_floor = model.decode.floor_quantile_s(q)
+    if tpot_floor > tpot_target:
+        raise InfeasibleSLOError(
+            slo_name="tpot_p99_s",
+            target_s=tpot_target,
+            floor_s=tpot_floor,
+            reason="a lone request's decode steps plus its KV handoff already take longer",
+        )
+
+    def prefill_check(n: int) -> BindingConstraint | None:
+        return _prefill_check(model, n, arrival_rate_rps, ca2, ttft_target, q)
+
+    def decode_check(m: int) -> BindingConstraint | None:
+        return _decode_check(model, m, arrival_rate_rps, ca2, tpot_target, q)
+
+    start = min(max_workers, model.prefill.min_stable_workers(arrival_rate_rps))
+    prefill = _smallest_feasible(prefill_check, start, max_workers)
+    if prefill is None:
+        raise InfeasibleSLOError(
+            slo_name="ttft_p99_s", target_s=ttft_target, floor_s=ttft_floor,
+            reason=f"more than max_workers={max_workers} prefill workers would be needed",
+        )
+    decode = _smallest_feasible(decode_check, 1, max_workers)
+    if decode is None:
+        raise InfeasibleSLOError(
+            slo_name="tpot_p99_s", target_s=tpot_target, floor_s=tpot_floor,
+            reason=f"more than max_workers={max_workers} decode workers would be needed",
+        )
+    n, prefill_bound = prefill
+    m, decode_bound = decode
+    state = model.decode.load(workers=m, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=q)
+    return SolveResult(
+        prefill_workers=n,
+        decode_workers=m,
+        ttft_p99_s=model.prefill.ttft_quantile_s(
+            workers=n, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=q
+        ),
+        tpot_p99_s=model.decode.tpot_quantile_s(
+            workers=m, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=q
+        ),
+        token_budget=model.token_budget,
+        prefill_utilisation=model.prefill.utilisation(workers=n, arrival_rate_rps=arrival_rate_rps),
+        decode_mean_batch=state.mean_batch,
+        decode_kv_utilisation=state.kv_utilisation,
+        prefill_bound=prefill_bound,
+        decode_bound=decode_bound,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """Predictions for a given allocation (what-if)."""
+
+    prefill: PoolPrediction
+    decode: PoolPrediction
+    token_budget: int
+
+    @property
+    def feasible(self) -> bool:
+        return self.prefill.meets_slo and self.decode.meets_slo
+
+
+def evaluate(
+    model: CapacityModel,
+    *,
+    prefill_workers: int,
+    decode_workers: int,
+    arrival_rate_rps: float,
+    ca2: float,
+    slo: SloTargets,
+) -> Evaluation:
+    """Predicted P99s of a given allocation against the SLOs (no headroom)."""
+    for name, value in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    q = slo.quantile
+    rate, n, m = arrival_rate_rps, prefill_workers, decode_workers
+    ttft: float | None = None
+    if _prefill_check(model, n, rate, ca2, slo.ttft_p99_s, q) is not BindingConstraint.STABILITY:
+        ttft = model.prefill.ttft_quantile_s(workers=n, arrival_rate_rps=rate, ca2=ca2, quantile=q)
+    tpot: float | None = None
+    decode_problem = _decode_check(model, m, rate, ca2, slo.tpot_p99_s, q)
+    if decode_problem is not BindingConstraint.STABILITY:
+        tpot = model.decode.tpot_quantile_s(workers=m, arrival_rate_rps=rate, ca2=ca2, quantile=q)
+    decode_utilisation = (
+        model.decode.load(workers=m, arrival_rate_rps=rate, ca2=ca2, quantile=q).batch_p99
+        / model.decode.max_batch
+        if tpot is not None
+        else math.inf
+    )
+    return Evaluation(
+        prefill=PoolPrediction(
+            workers=n,
+            p99_s=ttft,
+            utilisation=model.prefill.utilisation(workers=n, arrival_rate_rps=rate),
+            meets_slo=ttft is not None and ttft <= slo.ttft_p99_s,
+        ),
+        decode=PoolPrediction(
+            workers=m,
+            p99_s=tpot,
+            utilisation=decode_utilisation,
+            meets_slo=decode_problem is None,
+        ),
+        token_budget=model.token_budget,
+    )
