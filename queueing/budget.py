@@ -70,11 +70,17 @@ def token_budget(
     if floor_s > tpot_slo_s:
         raise BudgetInfeasibleError(tpot_slo_s=tpot_slo_s, floor_s=floor_s)
     # Invariant: budget lo * g fits; find the largest multiple that fits.
-    if _iteration_s(profile, hi * granularity_tokens, decode_batch, mean_context_tokens) <= tpot_slo_s:
+    if (
+        _iteration_s(profile, hi * granularity_tokens, decode_batch, mean_context_tokens)
+        <= tpot_slo_s
+    ):
         return hi * granularity_tokens
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _iteration_s(profile, mid * granularity_tokens, decode_batch, mean_context_tokens) <= tpot_slo_s:
+        if (
+            _iteration_s(profile, mid * granularity_tokens, decode_batch, mean_context_tokens)
+            <= tpot_slo_s
+        ):
             lo = mid
         else:
             hi = mid

@@ -103,7 +103,7 @@ _MODELS = (
         vocab_size=32000,
         max_context_tokens=32768,
         dtype_bytes=2,
-        source=("Hugging Face mistralai/Mistral-7B-v0.1 config.json (sliding_window 4096), BF16"),
+        source="Hugging Face mistralai/Mistral-7B-v0.1 config.json (sliding_window 4096), BF16",
     ),
     ModelShape(
         name="llama-2-70b",

@@ -152,7 +152,9 @@ class DecodeModel:
         rate = self._per_worker_rate(workers, arrival_rate_rps)
         return rate * self.mean_steps * self.member_cost_s < 1.0
 
-    def load(self, *, workers: int, arrival_rate_rps: float, ca2: float, quantile: float) -> DecodeLoad:
+    def load(
+        self, *, workers: int, arrival_rate_rps: float, ca2: float, quantile: float
+    ) -> DecodeLoad:
         """Mean batch and the ``quantile`` of batch and reserved KV on one worker."""
         rate = self._per_worker_rate(workers, arrival_rate_rps)
         demand = rate * self.mean_steps
@@ -187,16 +189,16 @@ class DecodeModel:
         b = state.mean_batch
         t_iter = state.iteration_s
         busy = 1.0 - math.exp(-b)  # an idle worker takes a new member at once
-        mean = (
-            self.fixed_tpot_s
-            + self.member_cost_s * b
-            + 0.5 * t_iter * busy * self.inv_steps
-        )
+        mean = self.fixed_tpot_s + self.member_cost_s * b + 0.5 * t_iter * busy * self.inv_steps
         var_inst = b * self.member_cost_sq_s2 * self._dispersion(ca2)
         correlation_s = t_iter * self.mean_steps_sq / (2.0 * self.mean_steps)
         x = np.maximum(self.steps * t_iter / correlation_s, 1e-12)
         averaging = 2.0 * (x - 1.0 + np.exp(-x)) / (x * x)
-        var = self.fixed_var_s2 + var_inst * averaging + (t_iter * busy) ** 2 / 12.0 * self.inv_steps_sq
+        var = (
+            self.fixed_var_s2
+            + var_inst * averaging
+            + (t_iter * busy) ** 2 / 12.0 * self.inv_steps_sq
+        )
         return mean, np.sqrt(np.maximum(var, 1e-30))
 
     def _floor_moments(self) -> tuple[FloatArray, FloatArray]:
@@ -221,7 +223,9 @@ class DecodeModel:
         return _mixture_quantile(self.weights, mean, sd, quantile)
 
 
-def _mixture_quantile(weights: FloatArray, mean: FloatArray, sd: FloatArray, quantile: float) -> float:
+def _mixture_quantile(
+    weights: FloatArray, mean: FloatArray, sd: FloatArray, quantile: float
+) -> float:
     """Quantile of a normal mixture: safeguarded Newton inside a shrinking bracket."""
     if not (0.0 < quantile < 1.0):
         raise ValueError(f"quantile: must be in (0, 1), got {quantile!r}")
@@ -232,13 +236,15 @@ def _mixture_quantile(weights: FloatArray, mean: FloatArray, sd: FloatArray, qua
     for _ in range(60):
         z = (mean - x) / sd
         excess = float((weights * special.ndtr(z)).sum()) - p  # decreasing in x
+        if abs(excess) < 1e-12 * p:
+            return x
         if excess > 0:
             lo = x
         else:
             hi = x
+        if hi - lo < 1e-12 * max(1.0, abs(x)):
+            break
         density = float((weights * np.exp(-0.5 * z * z) / sd).sum()) / math.sqrt(2 * math.pi)
         step = x + excess / density if density > 0 else math.nan
         x = step if lo < step < hi else 0.5 * (lo + hi)
-        if hi - lo < 1e-9 * max(1.0, abs(x)) or abs(excess) < 1e-12:
-            break
     return x

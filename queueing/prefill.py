@@ -87,11 +87,12 @@ class PrefillModel:
 
     def wait_tail(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> WaitTail:
         """Tail of the queueing wait; raises ``UnstableQueueError`` at utilisation >= 1."""
-        if arrival_rate_rps * self.mean_service_s >= workers:
+        utilisation = self.utilisation(workers=workers, arrival_rate_rps=arrival_rate_rps)
+        if utilisation >= 1.0:
             raise UnstableQueueError(
                 f"prefill_workers: {workers} workers cannot serve "
                 f"{arrival_rate_rps:.4g} req/s of {self.mean_service_s:.4g} s prompts "
-                f"(utilisation {self.utilisation(workers=workers, arrival_rate_rps=arrival_rate_rps):.3f})"
+                f"(utilisation {utilisation:.3f})"
             )
         return ggc_wait_tail(
             arrival_rate_rps=arrival_rate_rps,
@@ -121,9 +122,7 @@ class PrefillModel:
         return quantile_of_sum(self.service_s, self.weights, no_wait, quantile)
 
 
-def survival_of_sum(
-    values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float
-) -> float:
+def survival_of_sum(values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float) -> float:
     """P(W + S > x) for S on the sorted atoms ``values_s`` and W with ``tail``."""
     above = values_s > x_s
     mass_above = float(weights[above].sum())

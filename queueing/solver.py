@@ -187,7 +187,9 @@ def _decode_check(
         return BindingConstraint.KV_CAPACITY
     if state.batch_p99 > decode.max_batch:
         return BindingConstraint.BATCH_LIMIT
-    survival = decode.tpot_survival(workers=workers, arrival_rate_rps=rate, ca2=ca2, tpot_s=target_s)
+    survival = decode.tpot_survival(
+        workers=workers, arrival_rate_rps=rate, ca2=ca2, tpot_s=target_s
+    )
     return None if survival <= 1.0 - q else BindingConstraint.TPOT_SLO
 
 
@@ -267,13 +269,17 @@ def solve(
     prefill = _smallest_feasible(prefill_check, start, max_workers)
     if prefill is None:
         raise InfeasibleSLOError(
-            slo_name="ttft_p99_s", target_s=ttft_target, floor_s=ttft_floor,
+            slo_name="ttft_p99_s",
+            target_s=ttft_target,
+            floor_s=ttft_floor,
             reason=f"more than max_workers={max_workers} prefill workers would be needed",
         )
     decode = _smallest_feasible(decode_check, 1, max_workers)
     if decode is None:
         raise InfeasibleSLOError(
-            slo_name="tpot_p99_s", target_s=tpot_target, floor_s=tpot_floor,
+            slo_name="tpot_p99_s",
+            target_s=tpot_target,
+            floor_s=tpot_floor,
             reason=f"more than max_workers={max_workers} decode workers would be needed",
         )
     n, prefill_bound = prefill

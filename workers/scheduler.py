@@ -188,7 +188,7 @@ class StepPlan:
             and self.prefill_chunks
             and self.decode_seq_ids
         ):
-            raise ValueError("prefill_chunks: a PREFILL_FIRST step never mixes prefills and decodes")
+            raise ValueError("prefill_chunks: a PREFILL_FIRST step never mixes prefill and decode")
 
     @property
     def is_empty(self) -> bool:
@@ -231,6 +231,7 @@ class Scheduler:
         # Insertion order is admission order: FCFS for chunks, LIFO for preemption.
         self._running: dict[int, Sequence] = {}
         self._held: set[int] = set()
+        self._preempted_in_step = False
 
     # -- state --------------------------------------------------------------------
 
@@ -311,6 +312,7 @@ class Scheduler:
         kv_reads = 0
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
+        self._preempted_in_step = False
 
         # 1. Every decoding sequence gets its token: decodes never stall for a prefill.
         for seq in list(self._running.values()):
@@ -340,8 +342,14 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget_left -= n
 
-        # 3. Then new sequences from the shared queue while budget and KV room remain.
-        while waiting and budget_left > 0 and len(self._running) < self.max_running:
+        # 3. Then new sequences from the shared queue while budget and KV room remain
+        # (not after a preemption: the victim would be readmitted only to thrash).
+        while (
+            waiting
+            and budget_left > 0
+            and len(self._running) < self.max_running
+            and not self._preempted_in_step
+        ):
             seq = waiting[0]
             if not self._can_ever_fit(seq) or seq.is_done:
                 break  # the next schedule() raises for it before changing anything
@@ -377,6 +385,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         budget_used = 0
+        self._preempted_in_step = False
 
         def fits(n: int) -> bool:
             # The first prompt always runs, even alone over the budget.
@@ -396,7 +405,7 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             scheduled.add(seq.seq_id)
             budget_used += n
-        while waiting and len(self._running) < self.max_running:
+        while waiting and len(self._running) < self.max_running and not self._preempted_in_step:
             seq = waiting[0]
             if not self._can_ever_fit(seq) or seq.is_done:
                 break
@@ -421,7 +430,7 @@ class Scheduler:
         decodes: list[int] = []
         kv_reads = 0
         for seq in list(self._running.values()):
-            if seq.seq_id not in self._running:
+            if seq.is_prefilling or seq.seq_id not in self._running:
                 continue
             if not self.reserve_output_tokens and not self._grow(
                 seq, seq.num_computed_tokens + 1, waiting, scheduled
@@ -492,6 +501,7 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence, waiting: deque[Sequence]) -> None:
+        self._preempted_in_step = True
         del self._running[seq.seq_id]
         if seq.seq_id in self.kv_cache:
             self.kv_cache.free(seq.seq_id)
@@ -512,7 +522,11 @@ class Scheduler:
         running = self._running
         for chunk in plan.prefill_chunks:
             seq = running.get(chunk.seq_id)
-            if seq is None or seq.num_computed_tokens != chunk.start_token:
+            if (
+                seq is None
+                or seq.num_computed_tokens != chunk.start_token
+                or chunk.num_tokens > seq.remaining_prompt_tokens
+            ):
                 raise ValueError(f"plan: chunk of seq_id {chunk.seq_id} does not match the state")
         for seq_id in plan.decode_seq_ids:
             seq = running.get(seq_id)
@@ -538,7 +552,10 @@ class Scheduler:
         return finished
 
     def finish(self, seq_id: int) -> Sequence:
-        """End a running sequence early (EOS); its KV is freed (or held). KeyError if not running."""
+        """End a running sequence early (EOS); its KV is freed (or held).
+
+        KeyError if it is not running here.
+        """
         seq = self._running.get(seq_id)
         if seq is None:
             raise KeyError(f"seq_id {seq_id}: not running on this scheduler")
