@@ -21,24 +21,33 @@ IntArray = npt.NDArray[np.int64]
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class LengthSamples:
-    """Empirical (prompt, output) length pairs, in tokens, one per request."""
+    """Empirical (prompt, output) length pairs, in tokens, one row per request.
+
+    Row i of both arrays is the same request: prompt and output lengths are
+    correlated in real workloads (summarisation: long in, short out), so they are
+    never resampled separately.
+    """
 
     prompt_tokens: IntArray
     output_tokens: IntArray
     source: str
 
     def __post_init__(self) -> None:
-        if len(self.prompt_tokens) == 0:
-            raise ValueError("prompt_tokens: needs at least one sample")
+        for name in ("prompt_tokens", "output_tokens"):
+            values = getattr(self, name)
+            if not isinstance(values, np.ndarray) or values.ndim != 1:
+                raise ValueError(f"{name}: expected a 1-D numpy array")
+            if not np.issubdtype(values.dtype, np.integer):
+                raise ValueError(f"{name}: expected integers, got dtype {values.dtype}")
+            if len(values) == 0:
+                raise ValueError(f"{name}: needs at least one sample")
+            if int(values.min()) < 1:
+                raise ValueError(f"{name}: every length must be >= 1, found {values.min()}")
         if len(self.prompt_tokens) != len(self.output_tokens):
             raise ValueError(
                 f"output_tokens: length {len(self.output_tokens)} != "
                 f"prompt_tokens length {len(self.prompt_tokens)}"
             )
-        for name in ("prompt_tokens", "output_tokens"):
-            values = getattr(self, name)
-            if int(np.min(values)) < 1:
-                raise ValueError(f"{name}: every length must be >= 1")
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)

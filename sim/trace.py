@@ -35,8 +35,9 @@ class Trace:
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
         for name in ("prompt_tokens", "output_tokens"):
-            if len(getattr(self, name)) != n:
-                raise TraceError(f"{name}: length {len(getattr(self, name))} != arrival_s length {n}")
+            length = len(getattr(self, name))
+            if length != n:
+                raise TraceError(f"{name}: length {length} != arrival_s length {n}")
         if n and not np.all(np.isfinite(self.arrival_s)):
             raise TraceError("arrival_s: contains a non-finite time")
         if n > 1 and np.any(np.diff(self.arrival_s) < 0):

@@ -40,8 +40,11 @@ def test_the_time_weighted_member_cost_matches_a_direct_sum(
         for k in range(1, int(o)):
             total += profile.t_tok_s + profile.t_kv_s * (int(p) + k)
             steps += 1
-    small = LengthSamples(prompt_tokens=samples.prompt_tokens[:300],
-                          output_tokens=samples.output_tokens[:300], source="first 300")
+    small = LengthSamples(
+        prompt_tokens=samples.prompt_tokens[:300],
+        output_tokens=samples.output_tokens[:300],
+        source="first 300",
+    )
     assert build(small, profile).member_cost_s == pytest.approx(total / steps, rel=1e-12)
     assert model.member_cost_s > profile.t_tok_s
 
@@ -62,13 +65,17 @@ def test_the_tpot_quantile_inverts_the_survival(
 ) -> None:
     model = build(samples, profile)
     x = model.tpot_quantile_s(workers=3, arrival_rate_rps=40.0, ca2=2.0, quantile=0.99)
-    assert model.tpot_survival(workers=3, arrival_rate_rps=40.0, ca2=2.0, tpot_s=x) == \
-        pytest.approx(0.01, abs=1e-7)
+    assert model.tpot_survival(
+        workers=3, arrival_rate_rps=40.0, ca2=2.0, tpot_s=x
+    ) == pytest.approx(0.01, abs=1e-7)
 
 
 def test_requests_with_a_single_output_token_have_no_tpot(profile: IterationProfile) -> None:
-    samples = LengthSamples(prompt_tokens=np.array([100, 200, 300, 400]),
-                            output_tokens=np.array([1, 1, 10, 20]), source="mixed")
+    samples = LengthSamples(
+        prompt_tokens=np.array([100, 200, 300, 400]),
+        output_tokens=np.array([1, 1, 10, 20]),
+        source="mixed",
+    )
     assert build(samples, profile).decode_fraction == pytest.approx(0.5)
 
 

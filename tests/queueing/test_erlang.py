@@ -28,16 +28,25 @@ def recursive_erlang_b(servers: int, load: float) -> float:
 
 @pytest.mark.parametrize(
     ("servers", "load"),
-    [(1, Fraction(1, 2)), (2, Fraction(1)), (3, Fraction(27, 10)), (10, Fraction(9)),
-     (25, Fraction(20)), (60, Fraction(5999, 100)), (40, Fraction(1, 10))],
+    [
+        (1, Fraction(1, 2)),
+        (2, Fraction(1)),
+        (3, Fraction(27, 10)),
+        (10, Fraction(9)),
+        (25, Fraction(20)),
+        (60, Fraction(5999, 100)),
+        (40, Fraction(1, 10)),
+    ],
 )
 def test_erlang_c_matches_exact_rational_arithmetic(servers: int, load: Fraction) -> None:
     expected = float(exact_erlang_c(servers, load))
     assert erlang_c(servers, float(load)) == pytest.approx(expected, rel=1e-12, abs=1e-300)
 
 
-@pytest.mark.parametrize(("servers", "rho"), [(1_000, 0.95), (10_000, 0.99), (100_000, 0.999),
-                                              (100_000, 0.5), (250_000, 0.9995)])
+@pytest.mark.parametrize(
+    ("servers", "rho"),
+    [(1_000, 0.95), (10_000, 0.99), (100_000, 0.999), (100_000, 0.5), (250_000, 0.9995)],
+)
 def test_erlang_b_at_huge_server_counts_agrees_with_the_stable_recursion(
     servers: int, rho: float
 ) -> None:
@@ -55,7 +64,9 @@ def test_erlang_c_of_one_server_is_the_utilisation() -> None:
     assert erlang_c(1, 0.37) == pytest.approx(0.37, rel=1e-12)
 
 
-@pytest.mark.parametrize(("servers", "load"), [(0, 1.0), (3, 3.0), (3, 4.0), (2, -1.0), (2, math.nan)])
+@pytest.mark.parametrize(
+    ("servers", "load"), [(0, 1.0), (3, 3.0), (3, 4.0), (2, -1.0), (2, math.nan)]
+)
 def test_erlang_c_rejects_bad_or_unstable_arguments(servers: int, load: float) -> None:
     with pytest.raises(ValueError):
         erlang_c(servers, load)
@@ -81,11 +92,18 @@ def test_mmc_wait_quantile_of_mm1_has_the_closed_form() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [(1.0, 1.0, 1, 0.99), (2.0, 1.0, 1, 0.99), (1.0, 0.0, 2, 0.99), (1.0, 1.0, 2, 1.0),
-     (1.0, 1.0, 2, 0.0), (-1.0, 1.0, 2, 0.5), (1.0, 1.0, 0, 0.5)],
+    [
+        (1.0, 1.0, 1, 0.99),
+        (2.0, 1.0, 1, 0.99),
+        (1.0, 0.0, 2, 0.99),
+        (1.0, 1.0, 2, 1.0),
+        (1.0, 1.0, 2, 0.0),
+        (-1.0, 1.0, 2, 0.5),
+        (1.0, 1.0, 0, 0.5),
+    ],
 )
 def test_mmc_wait_quantile_rejects_unstable_or_out_of_range_arguments(
-    args: tuple[float, float, int, float]
+    args: tuple[float, float, int, float],
 ) -> None:
     with pytest.raises(ValueError):
         mmc_wait_quantile(*args)

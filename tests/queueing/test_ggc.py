@@ -24,8 +24,9 @@ def test_with_poisson_arrivals_and_exponential_service_it_is_exactly_mmc(
 def test_single_server_mean_wait_is_the_kingman_formula() -> None:
     # For c = 1 the model's mean wait is rho/(1-rho) * (ca2+cs2)/2 * E[S] (Kingman).
     rho, mean_s, ca2, cs2 = 0.7, 0.1, 2.0, 0.5
-    tail = ggc_wait_tail(arrival_rate_rps=rho / mean_s, mean_service_s=mean_s, servers=1,
-                         ca2=ca2, cs2=cs2)
+    tail = ggc_wait_tail(
+        arrival_rate_rps=rho / mean_s, mean_service_s=mean_s, servers=1, ca2=ca2, cs2=cs2
+    )
     kingman = rho / (1 - rho) * (ca2 + cs2) / 2 * mean_s
     # P(wait) differs from rho by the Halfin-Whitt factor; the conditional mean is exact.
     assert tail.mean_s / tail.wait_probability == pytest.approx(kingman / rho, rel=1e-12)

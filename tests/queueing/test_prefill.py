@@ -13,13 +13,17 @@ from queueing.prefill import PrefillModel, prefill_service_s, quantile_of_sum, s
 from queueing.profile import IterationProfile
 
 
-@pytest.mark.parametrize(("prompt", "budget", "iterations"), [(1, 512, 1), (512, 512, 1),
-                                                             (513, 512, 2), (4000, 512, 8)])
+@pytest.mark.parametrize(
+    ("prompt", "budget", "iterations"), [(1, 512, 1), (512, 512, 1), (513, 512, 2), (4000, 512, 8)]
+)
 def test_a_prompt_takes_ceil_L_over_budget_iterations_plus_its_token_and_attention_work(
     profile: IterationProfile, prompt: int, budget: int, iterations: int
 ) -> None:
-    expected = (iterations * profile.t0_s + profile.t_tok_s * prompt
-                + profile.t_attn_s * prompt * (prompt + 1) / 2)
+    expected = (
+        iterations * profile.t0_s
+        + profile.t_tok_s * prompt
+        + profile.t_attn_s * prompt * (prompt + 1) / 2
+    )
     got = prefill_service_s(profile, np.array([prompt], dtype=np.float64), budget)[0]
     assert got == pytest.approx(expected, rel=1e-12)
 

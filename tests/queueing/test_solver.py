@@ -19,9 +19,18 @@ from queueing.solver import (
 )
 
 PROFILE = IterationProfile(
-    name="prop-8b", model="prop-8b", hardware="prop-gpu", tensor_parallel=1,
-    t0_s=0.006, t_tok_s=22e-6, t_kv_s=49e-9, t_attn_s=1.06e-9,
-    kv_capacity_tokens=400_000, kv_bytes_per_token=131_072, startup_s=40.0, source="test",
+    name="prop-8b",
+    model="prop-8b",
+    hardware="prop-gpu",
+    tensor_parallel=1,
+    t0_s=0.006,
+    t_tok_s=22e-6,
+    t_kv_s=49e-9,
+    t_attn_s=1.06e-9,
+    kv_capacity_tokens=400_000,
+    kv_bytes_per_token=131_072,
+    startup_s=40.0,
+    source="test",
 )
 _rng = np.random.default_rng(11)
 SAMPLES = LengthSamples(
@@ -91,16 +100,23 @@ def test_the_answer_meets_the_slos_and_one_worker_fewer_does_not(
     assert result.tpot_p99_s <= tpot_target * (1 + 1e-6)
     n, m = result.prefill_workers, result.decode_workers
     if n > 1:
-        fewer = MODEL.prefill.utilisation(workers=n - 1, arrival_rate_rps=rate) >= 1 or ttft(
-            n - 1, rate, ca2
-        ) > ttft_target
+        fewer = (
+            MODEL.prefill.utilisation(workers=n - 1, arrival_rate_rps=rate) >= 1
+            or ttft(n - 1, rate, ca2) > ttft_target
+        )
         assert fewer
     else:
         assert result.prefill_bound is BindingConstraint.MINIMUM
     if m > 1:
         tighter = SloTargets(ttft_p99_s=SLO.ttft_p99_s, tpot_p99_s=tpot_target)
-        assert not evaluate(MODEL, prefill_workers=n, decode_workers=m - 1,
-                            arrival_rate_rps=rate, ca2=ca2, slo=tighter).decode.meets_slo
+        assert not evaluate(
+            MODEL,
+            prefill_workers=n,
+            decode_workers=m - 1,
+            arrival_rate_rps=rate,
+            ca2=ca2,
+            slo=tighter,
+        ).decode.meets_slo
     else:
         assert result.decode_bound is BindingConstraint.MINIMUM
 
@@ -125,7 +141,8 @@ def test_a_thousand_worker_answer_is_found_within_the_bracket() -> None:
 
 
 def test_evaluate_reports_an_unstable_pool_without_a_prediction() -> None:
-    ev = evaluate(MODEL, prefill_workers=1, decode_workers=1, arrival_rate_rps=2000.0,
-                  ca2=1.0, slo=SLO)
+    ev = evaluate(
+        MODEL, prefill_workers=1, decode_workers=1, arrival_rate_rps=2000.0, ca2=1.0, slo=SLO
+    )
     assert ev.prefill.p99_s is None
     assert not ev.feasible

@@ -557,5 +557,5 @@ def test_trace_stats_name_a_bad_field() -> None:
 def test_length_samples_name_a_bad_field(
     prompt: npt.NDArray[Any], output: npt.NDArray[Any], field: str
 ) -> None:
-    with pytest.raises(TraceError, match=rf"^{field}:"):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
         LengthSamples(prompt_tokens=prompt, output_tokens=output, source="bad")
