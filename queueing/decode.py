@@ -68,7 +68,7 @@ class DecodeModel:
     fixed_var_s2: FloatArray  # within-class variance of the fixed part
     inv_steps: FloatArray  # mean of 1 / n per class
     inv_steps_sq: FloatArray  # mean of 1 / n^2 per class
-    steps: FloatArray  # mean n per class
+    averaging: FloatArray  # variance kept when a class averages the batch over its life
     decode_fraction: float
     mean_steps: float
     mean_steps_sq: float
@@ -131,7 +131,7 @@ class DecodeModel:
             fixed_var_s2=strata.variances(fixed),
             inv_steps=strata.means(1.0 / n),
             inv_steps_sq=strata.means(1.0 / n**2),
-            steps=strata.means(n),
+            averaging=_life_averaging(strata.means(n), n),
             decode_fraction=float(decoding.mean()),
             mean_steps=float(n.mean()),
             mean_steps_sq=float((n * n).mean()),
@@ -191,12 +191,9 @@ class DecodeModel:
         busy = 1.0 - math.exp(-b)  # an idle worker takes a new member at once
         mean = self.fixed_tpot_s + self.member_cost_s * b + 0.5 * t_iter * busy * self.inv_steps
         var_inst = b * self.member_cost_sq_s2 * self._dispersion(ca2)
-        correlation_s = t_iter * self.mean_steps_sq / (2.0 * self.mean_steps)
-        x = np.maximum(self.steps * t_iter / correlation_s, 1e-12)
-        averaging = 2.0 * (x - 1.0 + np.exp(-x)) / (x * x)
         var = (
             self.fixed_var_s2
-            + var_inst * averaging
+            + var_inst * self.averaging
             + (t_iter * busy) ** 2 / 12.0 * self.inv_steps_sq
         )
         return mean, np.sqrt(np.maximum(var, 1e-30))
@@ -223,32 +220,51 @@ class DecodeModel:
         return _mixture_quantile(self.weights, mean, sd, quantile)
 
 
+def _life_averaging(class_steps: FloatArray, steps: FloatArray) -> FloatArray:
+    """g(x) = 2 (x - 1 + e^-x) / x^2 with x = a class's life over the correlation time.
+
+    Both the life (n iterations) and the correlation time
+    (E[n^2] / (2 E[n]) iterations) scale with the iteration time, so x, and the
+    factor, do not depend on the load and are computed once.
+    """
+    correlation_steps = float((steps * steps).mean()) / (2.0 * float(steps.mean()))
+    x = np.maximum(class_steps / correlation_steps, 1e-9)
+    result: FloatArray = 2.0 * (x - 1.0 + np.exp(-x)) / (x * x)
+    return result
+
+
 def _mixture_quantile(
     weights: FloatArray, mean: FloatArray, sd: FloatArray, quantile: float
 ) -> float:
-    """Quantile of a normal mixture: Newton's method kept inside a shrinking bracket.
+    """Quantile of a normal mixture: Newton's method on the log-survival, bracketed.
 
-    The start is the same quantile of the class means, which is close when the spread
-    within classes is small; Newton then converges in a few steps, and any step that
-    leaves the bracket is replaced by bisection.
+    The log-survival of a normal mixture is close to linear in its upper tail, so
+    Newton on it converges in a handful of steps from the start used here (the same
+    quantile of each class's own upper quantile); a step that leaves the bracket is
+    replaced by bisection.
     """
     if not (0.0 < quantile < 1.0):
         raise ValueError(f"quantile: must be in (0, 1), got {quantile!r}")
     p = 1.0 - quantile
+    log_p = math.log(p)
     lo = float((mean - 9.0 * sd).min())
     hi = float((mean + 9.0 * sd).max())
-    order = np.argsort(mean)
-    x = float(np.interp(quantile, np.cumsum(weights[order]), mean[order]))
+    upper = mean + float(special.ndtri(quantile)) * sd
+    order = np.argsort(upper)
+    x = float(np.interp(quantile, np.cumsum(weights[order]), upper[order]))
     sqrt_2pi = math.sqrt(2.0 * math.pi)
     for _ in range(100):
         z = (mean - x) / sd
-        excess = float(np.dot(weights, special.ndtr(z))) - p  # decreasing in x
-        if excess > 0:
+        survival = float(np.dot(weights, special.ndtr(z)))
+        if survival > p:
             lo = x
         else:
             hi = x
         density = float(np.dot(weights, np.exp(-0.5 * z * z) / sd)) / sqrt_2pi
-        step = x + excess / density if density > 0 else math.nan
+        if survival > 0 and density > 0:
+            step = x + (math.log(survival) - log_p) * survival / density
+        else:
+            step = math.nan
         if abs(step - x) <= 1e-10 * abs(x):
             return step
         x = step if lo < step < hi else 0.5 * (lo + hi)
