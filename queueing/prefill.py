@@ -11,9 +11,26 @@ chunking). The first token leaves the worker at the end of the last chunk, so
     TTFT = W + S
 
 with W the wait in the shared queue, a G/G/N queue handled by
-``queueing.ggc.ggc_wait_tail``. W of a request does not depend on its own S (FCFS), so
-P(TTFT > x) = sum_i w_i P(W > x - s_i) over the service classes, and the P99 is the
-quantile of that sum — not the sum of two P99s.
+``queueing.ggc.ggc_wait_tail``.
+
+Packing: when prompts are queued, a worker fills the rest of a prompt's last
+iteration with the next prompt's first chunk, so the fixed cost t0 is paid per
+*budget* of tokens (L / tau iterations) instead of per prompt (ceil(L / tau)). The
+busy time per prompt is therefore between the packed and the solo service time;
+the share packed is the probability that a worker finds work queued when it
+finishes a prompt, which for a FCFS queue equals the probability of waiting P_w.
+P_w is taken at the packed time (one G/G/c evaluation; the whole correction is at
+most one t0 per prompt). Stability needs only the packed time:
+lambda * E[S_packed] < N.
+
+A prompt that waited is picked up mid-stream, so its own span is longer than its
+solo service: it shares its first iteration with the previous prompt's last chunk
+and, when work is queued, its last iteration with the next prompt's first chunk.
+Over a uniformly placed start the span averages L / tau + 1 full iterations holding
+L + tau / 2 * (1 + P_w) tokens. So with probability 1 - P_w a prompt has TTFT = S,
+and with probability P_w TTFT = W' + S_waited, W' the conditional wait
+(exponential), independent of the prompt's own length (FCFS). The P99 is the
+quantile of that mixture, computed exactly — not the sum of two P99s.
 """
 
 from __future__ import annotations
@@ -57,8 +74,11 @@ class PrefillModel:
     """
 
     service_s: FloatArray
+    waited_base_s: FloatArray  # span of a prompt that waited, without the P_w term
+    waited_per_pw_s: FloatArray  # ... plus this times P_w (the next prompt's chunk)
     weights: FloatArray
     mean_service_s: float
+    packed_service_s: float
     service_scv: float
     token_budget: int
 
@@ -69,52 +89,104 @@ class PrefillModel:
         service = prefill_service_s(profile, samples.prompt_tokens.astype(np.float64), token_budget)
         strata = stratify(service)
         mean = float(service.mean())
+        lengths = samples.prompt_tokens.astype(np.float64)
+        iterations_saved = np.ceil(lengths / token_budget) - lengths / token_budget
+        half_budget_s = profile.t_tok_s * token_budget / 2.0
+        waited = service + profile.t0_s * (1.0 - iterations_saved) + half_budget_s
         return cls(
             service_s=strata.means(service),
+            waited_base_s=strata.means(waited),
+            waited_per_pw_s=np.full(len(strata.weights), half_budget_s),
             weights=strata.weights,
             mean_service_s=mean,
+            packed_service_s=mean - profile.t0_s * float(iterations_saved.mean()),
             service_scv=float(service.var() / (mean * mean)),
             token_budget=token_budget,
         )
 
-    def utilisation(self, *, workers: int, arrival_rate_rps: float) -> float:
-        """Offered load per worker: lambda * E[S] / N."""
-        return arrival_rate_rps * self.mean_service_s / workers
+    def utilisation(self, *, workers: int, arrival_rate_rps: float, ca2: float = 1.0) -> float:
+        """Busy fraction of a worker: lambda * (busy time per prompt) / N."""
+        if arrival_rate_rps * self.packed_service_s >= workers:
+            return arrival_rate_rps * self.packed_service_s / workers
+        busy_s = self.busy_service_s(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
+        return arrival_rate_rps * busy_s / workers
+
+    def is_stable(self, *, workers: int, arrival_rate_rps: float) -> bool:
+        return arrival_rate_rps * self.packed_service_s < workers
 
     def min_stable_workers(self, arrival_rate_rps: float) -> int:
-        """The fewest workers with utilisation below 1."""
-        return max(1, math.floor(arrival_rate_rps * self.mean_service_s) + 1)
+        """The fewest workers that can keep up: lambda * E[S_packed] < N."""
+        return max(1, math.floor(arrival_rate_rps * self.packed_service_s) + 1)
+
+    def busy_service_s(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> float:
+        """Mean busy time per prompt: packed + (1 - P_w) * (solo - packed).
+
+        P_w is taken at the packed time: slightly high, so the busy time is slightly
+        low, but solo and packed differ by at most one t0 per prompt, so the error is
+        a small fraction of that. Near saturation the busy time is kept below
+        N / lambda (there P_w -> 1 and it tends to packed anyway).
+        """
+        packed = self.packed_service_s
+        p_wait = ggc_wait_tail(
+            arrival_rate_rps=arrival_rate_rps,
+            mean_service_s=packed,
+            servers=workers,
+            ca2=ca2,
+            cs2=self.service_scv,
+        ).wait_probability
+        busy_s = packed + (1.0 - p_wait) * (self.mean_service_s - packed)
+        ceiling_s = packed + 0.5 * (workers / arrival_rate_rps - packed)
+        return min(busy_s, ceiling_s)
 
     def wait_tail(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> WaitTail:
-        """Tail of the queueing wait; raises ``UnstableQueueError`` at utilisation >= 1."""
-        utilisation = self.utilisation(workers=workers, arrival_rate_rps=arrival_rate_rps)
-        if utilisation >= 1.0:
+        """Tail of the queueing wait; raises ``UnstableQueueError`` when overloaded."""
+        if not self.is_stable(workers=workers, arrival_rate_rps=arrival_rate_rps):
             raise UnstableQueueError(
                 f"prefill_workers: {workers} workers cannot serve "
-                f"{arrival_rate_rps:.4g} req/s of {self.mean_service_s:.4g} s prompts "
-                f"(utilisation {utilisation:.3f})"
+                f"{arrival_rate_rps:.4g} req/s of {self.packed_service_s:.4g} s prompts"
             )
+        busy_s = self.busy_service_s(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
         return ggc_wait_tail(
             arrival_rate_rps=arrival_rate_rps,
-            mean_service_s=self.mean_service_s,
+            mean_service_s=busy_s,
             servers=workers,
             ca2=ca2,
             cs2=self.service_scv,
         )
 
+    def _atoms(
+        self, *, workers: int, arrival_rate_rps: float, ca2: float
+    ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
+        """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate."""
+        tail = self.wait_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
+        pw = tail.wait_probability
+        values = np.concatenate([self.service_s, self.waited_base_s + pw * self.waited_per_pw_s])
+        no_wait = np.concatenate([self.weights * (1.0 - pw), np.zeros_like(self.weights)])
+        with_wait = np.concatenate([np.zeros_like(self.weights), self.weights * pw])
+        return values, no_wait, with_wait, tail.decay_rate_per_s
+
     def ttft_survival(
         self, *, workers: int, arrival_rate_rps: float, ca2: float, ttft_s: float
     ) -> float:
         """P(TTFT > ttft_s)."""
-        tail = self.wait_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
-        return survival_of_sum(self.service_s, self.weights, tail, ttft_s)
+        values, no_wait, with_wait, theta = self._atoms(
+            workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+        )
+        above = values > ttft_s
+        waited = np.exp(-theta * np.maximum(ttft_s - values, 0.0))
+        return float(no_wait[above].sum() + (with_wait * waited).sum())
 
     def ttft_quantile_s(
         self, *, workers: int, arrival_rate_rps: float, ca2: float, quantile: float
     ) -> float:
         """The ``quantile`` of TTFT in seconds."""
-        tail = self.wait_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
-        return quantile_of_sum(self.service_s, self.weights, tail, quantile)
+        values, no_wait, with_wait, theta = self._atoms(
+            workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+        )
+        order = np.argsort(values, kind="stable")
+        return mixed_atoms_quantile(
+            values[order], no_wait[order], with_wait[order], theta, quantile
+        )
 
     def floor_quantile_s(self, quantile: float) -> float:
         """The TTFT quantile with unlimited workers (no wait): the service quantile."""
@@ -122,7 +194,9 @@ class PrefillModel:
         return quantile_of_sum(self.service_s, self.weights, no_wait, quantile)
 
 
-def survival_of_sum(values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float) -> float:
+def survival_of_sum(
+    values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float
+) -> float:
     """P(W + S > x) for S on the sorted atoms ``values_s`` and W with ``tail``."""
     above = values_s > x_s
     mass_above = float(weights[above].sum())
@@ -134,28 +208,43 @@ def survival_of_sum(values_s: FloatArray, weights: FloatArray, tail: WaitTail, x
 def quantile_of_sum(
     values_s: FloatArray, weights: FloatArray, tail: WaitTail, quantile: float
 ) -> float:
-    """The ``quantile`` of W + S, exactly, for S on sorted atoms and W's exponential tail.
+    """The ``quantile`` of W + S for S on sorted atoms, W with an exponential ``tail``."""
+    pw = tail.wait_probability
+    return mixed_atoms_quantile(
+        values_s, weights * (1.0 - pw), weights * pw, tail.decay_rate_per_s, quantile
+    )
 
-    Between consecutive atoms s_k <= x < s_(k+1) the survival is
-    A_k + P_w * exp(-theta * x) * E_k, with A_k the mass above s_k and
-    E_k = sum_(i<=k) w_i exp(theta s_i) (kept in log space), so each segment's
-    crossing has a closed form; the answer is in the first segment whose right end
-    is at or below 1 - quantile.
+
+def mixed_atoms_quantile(
+    values_s: FloatArray,
+    no_wait: FloatArray,
+    with_wait: FloatArray,
+    decay_rate_per_s: float,
+    quantile: float,
+) -> float:
+    """Exact quantile of a mixture of atoms, some plus an exponential wait.
+
+    Atom i sits at ``values_s[i]`` (sorted ascending); ``no_wait[i]`` of probability
+    is the atom alone, ``with_wait[i]`` the atom plus an Exp(theta) wait. Between
+    consecutive atoms s_k <= x < s_(k+1) the survival is
+    A_k + exp(-theta * x) * E_k, with A_k the mass of atoms above s_k and
+    E_k = sum_(i<=k) with_wait_i * exp(theta * s_i) (kept in log space), so each
+    segment's crossing has a closed form; the answer lies in the first segment whose
+    right end is at or below 1 - quantile.
     """
     if not (0.0 < quantile < 1.0):
         raise ValueError(f"quantile: must be in (0, 1), got {quantile!r}")
     p = 1.0 - quantile
-    theta = tail.decay_rate_per_s
-    mass_above = 1.0 - np.cumsum(weights)  # A_k
+    theta = decay_rate_per_s
+    mass_above = 1.0 - np.cumsum(no_wait + with_wait)  # A_k
     mass_above[-1] = 0.0
     with np.errstate(divide="ignore"):
-        log_e = np.logaddexp.accumulate(np.log(weights) + theta * values_s)
-        log_pw = math.log(tail.wait_probability) if tail.wait_probability > 0 else -math.inf
+        log_e = np.logaddexp.accumulate(np.log(with_wait) + theta * values_s)
     next_atom = np.append(values_s[1:], np.inf)
-    right_end = mass_above + np.exp(log_pw + log_e - theta * next_atom)
+    right_end = mass_above + np.exp(log_e - theta * next_atom)
     k = int(np.argmax(right_end <= p))  # the last segment always qualifies (survival -> 0)
     gap = p - float(mass_above[k])
-    if gap <= 0.0 or log_pw == -math.inf:
+    if gap <= 0.0 or log_e[k] == -math.inf:
         return float(values_s[k])
-    crossing = (log_pw + float(log_e[k]) - math.log(gap)) / theta
+    crossing = (float(log_e[k]) - math.log(gap)) / theta
     return max(float(values_s[k]), crossing)

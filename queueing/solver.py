@@ -168,7 +168,7 @@ def _prefill_check(
     model: CapacityModel, workers: int, rate: float, ca2: float, target_s: float, q: float
 ) -> BindingConstraint | None:
     """None when ``workers`` meets the TTFT target, else what stops it."""
-    if rate * model.prefill.mean_service_s >= workers:
+    if not model.prefill.is_stable(workers=workers, arrival_rate_rps=rate):
         return BindingConstraint.STABILITY
     survival = model.prefill.ttft_survival(
         workers=workers, arrival_rate_rps=rate, ca2=ca2, ttft_s=target_s
@@ -295,7 +295,9 @@ def solve(
             workers=m, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=q
         ),
         token_budget=model.token_budget,
-        prefill_utilisation=model.prefill.utilisation(workers=n, arrival_rate_rps=arrival_rate_rps),
+        prefill_utilisation=model.prefill.utilisation(
+            workers=n, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+        ),
         decode_mean_batch=state.mean_batch,
         decode_kv_utilisation=state.kv_utilisation,
         prefill_bound=prefill_bound,
@@ -348,7 +350,7 @@ def evaluate(
         prefill=PoolPrediction(
             workers=n,
             p99_s=ttft,
-            utilisation=model.prefill.utilisation(workers=n, arrival_rate_rps=rate),
+            utilisation=model.prefill.utilisation(workers=n, arrival_rate_rps=rate, ca2=ca2),
             meets_slo=ttft is not None and ttft <= slo.ttft_p99_s,
         ),
         decode=PoolPrediction(

@@ -1,0 +1,190 @@
+"""Model fidelity: predicted vs simulated P99 TTFT and P99 TPOT.
+
+For each length mix (Azure conversation, Azure code, arXiv summarisation), profile,
+arrival burstiness (ca2 = 1 Poisson, ca2 = 4 Gamma) and prefill utilisation, a
+workload is generated with that rate, the capacity model predicts both P99s, and
+the discrete-event simulator (running the real scheduler) measures them. The
+prefill pool has 4 workers; the decode pool gets the fewest workers whose mean KV
+use is at most the same utilisation (and whose P99 batch and KV fit).
+
+``u_sim`` is the simulated prefill busy time over (workers x the arrival span).
+The simulated P99 has sampling noise; its 95 % confidence interval from the order
+statistics is printed as ``ci%`` (half-width relative to the value).
+
+    .venv/bin/python bench/model_fidelity.py            # full table (~2-4 min, 2 cores)
+    .venv/bin/python bench/model_fidelity.py --quick    # fewer requests and rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import zlib
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from queueing.catalog import resolve_profile  # noqa: E402
+from queueing.solver import CapacityModel, KvLink  # noqa: E402
+from sim.cluster import Cluster, ClusterConfig  # noqa: E402
+from sim.trace_io import load_lengths  # noqa: E402
+from sim.workload import gamma_arrivals, synthesize  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MIXES = {
+    "conv": ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv",
+    "code": ROOT / "data/traces/AzureLLMInferenceTrace_code.csv",
+    "arxiv": ROOT / "data/traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+}
+# (profile, TPOT SLO that sets the token budget)
+PROFILES = {"llama-3-8b@h100-sxm": 0.05, "llama-2-70b-tp4@h100-sxm": 0.1}
+UTILISATIONS = (0.3, 0.5, 0.7, 0.8, 0.85, 0.9)
+PREFILL_WORKERS = 4
+LINK = KvLink()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    mix: str
+    profile: str
+    ca2: float
+    utilisation: float
+    decode_workers: int
+    sim_utilisation: float
+    ttft_pred_s: float
+    ttft_sim_s: float
+    ttft_ci: float
+    tpot_pred_s: float
+    tpot_sim_s: float
+    tpot_ci: float
+
+    @property
+    def ttft_err(self) -> float:
+        return self.ttft_pred_s / self.ttft_sim_s - 1.0
+
+    @property
+    def tpot_err(self) -> float:
+        return self.tpot_pred_s / self.tpot_sim_s - 1.0
+
+
+def p99_ci(values: np.ndarray) -> tuple[float, float]:
+    """P99 and the relative half-width of its 95 % order-statistic interval."""
+    v = np.sort(values[~np.isnan(values)])
+    n = len(v)
+    p99 = float(np.quantile(v, 0.99))
+    spread = 1.96 * math.sqrt(n * 0.99 * 0.01)
+    lo = v[max(0, int(math.floor(n * 0.99 - spread)))]
+    hi = v[min(n - 1, int(math.ceil(n * 0.99 + spread)))]
+    return p99, float((hi - lo) / 2.0 / p99)
+
+
+def decode_workers_for(model: CapacityModel, rate: float, ca2: float, u: float) -> int:
+    m = 1
+    while True:
+        d = model.decode
+        if d.is_stable(workers=m, arrival_rate_rps=rate):
+            state = d.load(workers=m, arrival_rate_rps=rate, ca2=ca2, quantile=0.99)
+            if (
+                state.kv_utilisation <= u
+                and state.kv_blocks_p99 <= d.kv_capacity_blocks
+                and state.batch_p99 <= d.max_batch
+            ):
+                return m
+        m += 1
+
+
+def run_row(args: tuple[str, str, float, float, int]) -> Row:
+    mix, profile_name, ca2, u, requests = args
+    profile = resolve_profile(profile_name)
+    lengths = load_lengths(MIXES[mix])
+    model = CapacityModel.build(lengths, profile, tpot_slo_s=PROFILES[profile_name], link=LINK)
+    rate = u * PREFILL_WORKERS / model.prefill.mean_service_s
+    m = decode_workers_for(model, rate, ca2, u)
+    rng = np.random.default_rng(zlib.crc32(repr((mix, profile_name, ca2, u)).encode()))
+    arrivals = gamma_arrivals(rate_rps=rate, ca2=ca2, duration_s=requests / rate, rng=rng)
+    trace = synthesize(arrival_s=arrivals, lengths=lengths, rng=rng, source=mix)
+    config = ClusterConfig(
+        prefill_workers=PREFILL_WORKERS,
+        decode_workers=m,
+        profile=profile,
+        token_budget=model.token_budget,
+        kv_link_bytes_per_s=LINK.bytes_per_s,
+    )
+    results = Cluster(config, trace).run()
+    ttft_sim, ttft_ci = p99_ci(results.ttft_s)
+    tpot_sim, tpot_ci = p99_ci(results.tpot_s)
+    kwargs = {"workers": PREFILL_WORKERS, "arrival_rate_rps": rate, "ca2": ca2, "quantile": 0.99}
+    return Row(
+        mix=mix,
+        profile=profile_name,
+        ca2=ca2,
+        utilisation=u,
+        decode_workers=m,
+        sim_utilisation=results.prefill_busy_s / (PREFILL_WORKERS * trace.duration_s),
+        ttft_pred_s=model.prefill.ttft_quantile_s(**kwargs),
+        ttft_sim_s=ttft_sim,
+        ttft_ci=ttft_ci,
+        tpot_pred_s=model.decode.tpot_quantile_s(
+            workers=m, arrival_rate_rps=rate, ca2=ca2, quantile=0.99
+        ),
+        tpot_sim_s=tpot_sim,
+        tpot_ci=tpot_ci,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests and rows")
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    requests = 6_000 if args.quick else args.requests
+    utils = (0.5, 0.85) if args.quick else UTILISATIONS
+    jobs = [
+        (mix, profile, ca2, u, requests)
+        for mix in MIXES
+        for profile in PROFILES
+        for ca2 in (1.0, 4.0)
+        for u in utils
+    ]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(pool.map(run_row, jobs))
+
+    print(f"prefill workers {PREFILL_WORKERS}; {requests} requests per row; errors are "
+          "predicted / simulated - 1")
+    header = (f"{'mix':<6}{'profile':<26}{'ca2':>4}{'u':>6}{'u_sim':>7}{'M':>4} "
+              f"{'TTFT pred':>10}{'sim':>9}{'ci%':>6}{'err%':>7} "
+              f"{'TPOT pred ms':>13}{'sim':>8}{'ci%':>6}{'err%':>7}")
+    print(header)
+    for r in rows:
+        print(f"{r.mix:<6}{r.profile:<26}{r.ca2:>4.0f}{r.utilisation:>6.2f}"
+              f"{r.sim_utilisation:>7.3f}{r.decode_workers:>4} "
+              f"{r.ttft_pred_s:>10.4f}{r.ttft_sim_s:>9.4f}{100 * r.ttft_ci:>6.1f}"
+              f"{100 * r.ttft_err:>+7.1f} "
+              f"{1e3 * r.tpot_pred_s:>13.2f}{1e3 * r.tpot_sim_s:>8.2f}{100 * r.tpot_ci:>6.1f}"
+              f"{100 * r.tpot_err:>+7.1f}")
+
+    def report(label: str, selected: list[Row]) -> None:
+        if not selected:
+            return
+        errs = [abs(e) for r in selected for e in (r.ttft_err, r.tpot_err)]
+        ttft = [abs(r.ttft_err) for r in selected]
+        tpot = [abs(r.tpot_err) for r in selected]
+        print(f"{label}: rows {len(selected)}; |err| max {100 * max(errs):.1f}% "
+              f"median {100 * statistics.median(errs):.1f}% "
+              f"(TTFT max {100 * max(ttft):.1f}% median {100 * statistics.median(ttft):.1f}%, "
+              f"TPOT max {100 * max(tpot):.1f}% median {100 * statistics.median(tpot):.1f}%)")
+
+    report("Poisson, u <= 0.85", [r for r in rows if r.ca2 == 1.0 and r.utilisation <= 0.85])
+    report("Poisson, u = 0.9  ", [r for r in rows if r.ca2 == 1.0 and r.utilisation > 0.85])
+    report("Bursty ca2=4, all ", [r for r in rows if r.ca2 == 4.0])
+
+
+if __name__ == "__main__":
+    main()
