@@ -30,11 +30,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from queueing.catalog import resolve_profile  # noqa: E402
-from queueing.solver import CapacityModel, KvLink  # noqa: E402
-from sim.cluster import Cluster, ClusterConfig  # noqa: E402
-from sim.trace_io import load_lengths  # noqa: E402
-from sim.workload import gamma_arrivals, synthesize  # noqa: E402
+from queueing.catalog import resolve_profile
+from queueing.solver import CapacityModel, KvLink
+from sim.cluster import Cluster, ClusterConfig
+from sim.trace_io import load_lengths
+from sim.workload import gamma_arrivals, synthesize
 
 ROOT = Path(__file__).resolve().parent.parent
 MIXES = {
@@ -79,8 +79,8 @@ def p99_ci(values: np.ndarray) -> tuple[float, float]:
     n = len(v)
     p99 = float(np.quantile(v, 0.99))
     spread = 1.96 * math.sqrt(n * 0.99 * 0.01)
-    lo = v[max(0, int(math.floor(n * 0.99 - spread)))]
-    hi = v[min(n - 1, int(math.ceil(n * 0.99 + spread)))]
+    lo = v[max(0, math.floor(n * 0.99 - spread))]
+    hi = v[min(n - 1, math.ceil(n * 0.99 + spread))]
     return p99, float((hi - lo) / 2.0 / p99)
 
 
@@ -156,19 +156,25 @@ def main() -> None:
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(run_row, jobs))
 
-    print(f"prefill workers {PREFILL_WORKERS}; {requests} requests per row; errors are "
-          "predicted / simulated - 1")
-    header = (f"{'mix':<6}{'profile':<26}{'ca2':>4}{'u':>6}{'u_sim':>7}{'M':>4} "
-              f"{'TTFT pred':>10}{'sim':>9}{'ci%':>6}{'err%':>7} "
-              f"{'TPOT pred ms':>13}{'sim':>8}{'ci%':>6}{'err%':>7}")
+    print(
+        f"prefill workers {PREFILL_WORKERS}; {requests} requests per row; errors are "
+        "predicted / simulated - 1"
+    )
+    header = (
+        f"{'mix':<6}{'profile':<26}{'ca2':>4}{'u':>6}{'u_sim':>7}{'M':>4} "
+        f"{'TTFT pred':>10}{'sim':>9}{'ci%':>6}{'err%':>7} "
+        f"{'TPOT pred ms':>13}{'sim':>8}{'ci%':>6}{'err%':>7}"
+    )
     print(header)
     for r in rows:
-        print(f"{r.mix:<6}{r.profile:<26}{r.ca2:>4.0f}{r.utilisation:>6.2f}"
-              f"{r.sim_utilisation:>7.3f}{r.decode_workers:>4} "
-              f"{r.ttft_pred_s:>10.4f}{r.ttft_sim_s:>9.4f}{100 * r.ttft_ci:>6.1f}"
-              f"{100 * r.ttft_err:>+7.1f} "
-              f"{1e3 * r.tpot_pred_s:>13.2f}{1e3 * r.tpot_sim_s:>8.2f}{100 * r.tpot_ci:>6.1f}"
-              f"{100 * r.tpot_err:>+7.1f}")
+        print(
+            f"{r.mix:<6}{r.profile:<26}{r.ca2:>4.0f}{r.utilisation:>6.2f}"
+            f"{r.sim_utilisation:>7.3f}{r.decode_workers:>4} "
+            f"{r.ttft_pred_s:>10.4f}{r.ttft_sim_s:>9.4f}{100 * r.ttft_ci:>6.1f}"
+            f"{100 * r.ttft_err:>+7.1f} "
+            f"{1e3 * r.tpot_pred_s:>13.2f}{1e3 * r.tpot_sim_s:>8.2f}{100 * r.tpot_ci:>6.1f}"
+            f"{100 * r.tpot_err:>+7.1f}"
+        )
 
     def report(label: str, selected: list[Row]) -> None:
         if not selected:
@@ -176,10 +182,12 @@ def main() -> None:
         errs = [abs(e) for r in selected for e in (r.ttft_err, r.tpot_err)]
         ttft = [abs(r.ttft_err) for r in selected]
         tpot = [abs(r.tpot_err) for r in selected]
-        print(f"{label}: rows {len(selected)}; |err| max {100 * max(errs):.1f}% "
-              f"median {100 * statistics.median(errs):.1f}% "
-              f"(TTFT max {100 * max(ttft):.1f}% median {100 * statistics.median(ttft):.1f}%, "
-              f"TPOT max {100 * max(tpot):.1f}% median {100 * statistics.median(tpot):.1f}%)")
+        print(
+            f"{label}: rows {len(selected)}; |err| max {100 * max(errs):.1f}% "
+            f"median {100 * statistics.median(errs):.1f}% "
+            f"(TTFT max {100 * max(ttft):.1f}% median {100 * statistics.median(ttft):.1f}%, "
+            f"TPOT max {100 * max(tpot):.1f}% median {100 * statistics.median(tpot):.1f}%)"
+        )
 
     report("Poisson, u <= 0.85", [r for r in rows if r.ca2 == 1.0 and r.utilisation <= 0.85])
     report("Poisson, u = 0.9  ", [r for r in rows if r.ca2 == 1.0 and r.utilisation > 0.85])

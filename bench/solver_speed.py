@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from queueing.catalog import resolve_profile  # noqa: E402
-from queueing.lengths import LengthSamples  # noqa: E402
-from queueing.solver import CapacityModel, SloTargets, SolveResult, solve  # noqa: E402
-from sim.trace_io import load_trace  # noqa: E402
+from queueing.catalog import resolve_profile
+from queueing.lengths import LengthSamples
+from queueing.solver import CapacityModel, SloTargets, SolveResult, solve
+from sim.trace_io import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 SLO = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.05)

@@ -125,23 +125,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(
-    sub: Any, add_slo_args: Callable[[argparse.ArgumentParser], None]
-) -> None:
+def register(sub: Any, add_slo_args: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("simulate", help="replay a workload on a simulated cluster")
     p.add_argument("--trace", metavar="FILE", help="trace to replay (Azure, Mooncake, generic)")
     p.add_argument("--lengths", metavar="FILE", help="lengths for a generated workload")
     p.add_argument("--arrival-rate", type=float, metavar="RPS", help="generated arrival rate")
     p.add_argument("--ca2", type=float, help="generated inter-arrival SCV (1 = Poisson)")
     p.add_argument("--duration-s", type=float, default=600.0, help="generated workload length")
-    p.add_argument("--rate-scale", type=float, default=1.0, metavar="K",
-                   help="multiply the arrival rate, keeping the trace's shape")
+    p.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        metavar="K",
+        help="multiply the arrival rate, keeping the trace's shape",
+    )
     p.add_argument("--slice-start", type=float, metavar="S", help="start of a time slice")
     p.add_argument("--slice-end", type=float, metavar="S", help="end of a time slice")
     p.add_argument("--prefill-workers", type=int, metavar="N", help="fixed prefill pool size")
     p.add_argument("--decode-workers", type=int, metavar="M", help="fixed decode pool size")
-    p.add_argument("--headroom", type=float, default=cli.DEFAULT_HEADROOM, metavar="F",
-                   help="headroom of the solver when the pool sizes are not given")
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=cli.DEFAULT_HEADROOM,
+        metavar="F",
+        help="headroom of the solver when the pool sizes are not given",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's randomness")
     add_slo_args(p)
     p.set_defaults(func=cmd_simulate)

@@ -505,6 +505,8 @@ class Cluster:
         """
         if isinstance(target, bool) or not isinstance(target, int) or target < 1:
             raise ValueError(f"target: must be an integer >= 1, got {target!r}")
+        if not now_s >= self.now_s:
+            raise ValueError(f"now_s: {now_s} is before the cluster's clock {self.now_s}")
         self.run_until(now_s)
         current = self.pool_size(pool)
         serving_from_s = self.now_s + self.config.worker_startup_s

@@ -231,7 +231,7 @@ def test_a_removed_busy_prefill_worker_finishes_its_prompt_undisturbed() -> None
     assert res.first_token_s[2] > res.first_token_s[0]
 
 
-@pytest.mark.parametrize(("target", "now_s", "field"), [(0, 1.0, "target"), (2, -1.0, "t_s")])
+@pytest.mark.parametrize(("target", "now_s", "field"), [(0, 1.0, "target"), (2, -1.0, "now_s")])
 def test_a_scaling_request_for_no_workers_or_for_the_past_is_rejected(
     target: int, now_s: float, field: str
 ) -> None:
