@@ -148,6 +148,11 @@ class DecodeModel:
     def _per_worker_rate(self, workers: int, arrival_rate_rps: float) -> float:
         return arrival_rate_rps * self.decode_fraction / workers
 
+    def min_stable_workers(self, arrival_rate_rps: float) -> int:
+        """The fewest workers whose per-token work fits in the iterations they run."""
+        load = arrival_rate_rps * self.decode_fraction * self.mean_steps * self.member_cost_s
+        return max(1, math.floor(load) + 1)
+
     def is_stable(self, *, workers: int, arrival_rate_rps: float) -> bool:
         rate = self._per_worker_rate(workers, arrival_rate_rps)
         return rate * self.mean_steps * self.member_cost_s < 1.0

@@ -242,9 +242,12 @@ def mixed_atoms_quantile(
         log_e = np.logaddexp.accumulate(np.log(with_wait) + theta * values_s)
     next_atom = np.append(values_s[1:], np.inf)
     right_end = mass_above + np.exp(log_e - theta * next_atom)
-    k = int(np.argmax(right_end <= p))  # the last segment always qualifies (survival -> 0)
+    # A tolerance keeps a quantile that falls exactly on a class edge (the classes
+    # have equal masses) from jumping between neighbouring atoms on rounding noise.
+    tolerance = 1e-12
+    k = int(np.argmax(right_end <= p + tolerance))  # the last segment always qualifies
     gap = p - float(mass_above[k])
-    if gap <= 0.0 or log_e[k] == -math.inf:
+    if gap <= tolerance or log_e[k] == -math.inf:
         return float(values_s[k])
     crossing = (float(log_e[k]) - math.log(gap)) / theta
     return max(float(values_s[k]), crossing)

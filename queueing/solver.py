@@ -5,8 +5,9 @@ decode pool TPOT, and neither prediction depends on the other pool's size. A cou
 is *feasible* when the pool is stable, its predicted P99 is at most the SLO divided
 by (1 + headroom), and (decode) the P99 of its batch and reserved KV fit the worker.
 Feasibility only improves as workers are added (property-tested), so the search
-brackets the answer by doubling from the smallest stable count and then bisects;
+brackets the answer by galloping up from the smallest stable count and then bisects;
 both loops are capped by ``max_workers``.
+
 """
 
 from __future__ import annotations
@@ -196,18 +197,22 @@ def _decode_check(
 def _smallest_feasible(
     check: Callable[[int], BindingConstraint | None], start: int, max_workers: int
 ) -> tuple[int, BindingConstraint] | None:
-    """The smallest n >= start with check(n) None, and what blocked n - 1."""
+    """The smallest n >= start with check(n) None, and what blocked n - 1.
+
+    The answer is usually a few workers above the stability bound ``start``, so the
+    bracket grows by galloping (start + 1, + 2, + 4, ...) before bisecting.
+    """
     if check(start) is None:
         blocked = check(start - 1) if start > 1 else None
         return start, blocked or BindingConstraint.MINIMUM
-    lo, hi = start, start  # invariant: check(lo) fails
+    lo, step = start, 1  # invariant: check(lo) fails
     while True:
-        hi = min(max_workers, 2 * hi)
+        hi = min(max_workers, lo + step)
         if check(hi) is None:
             break
         if hi == max_workers:
             return None
-        lo = hi
+        lo, step = hi, 2 * step
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if check(mid) is None:
@@ -274,7 +279,8 @@ def solve(
             floor_s=ttft_floor,
             reason=f"more than max_workers={max_workers} prefill workers would be needed",
         )
-    decode = _smallest_feasible(decode_check, 1, max_workers)
+    decode_start = min(max_workers, model.decode.min_stable_workers(arrival_rate_rps))
+    decode = _smallest_feasible(decode_check, decode_start, max_workers)
     if decode is None:
         raise InfeasibleSLOError(
             slo_name="tpot_p99_s",

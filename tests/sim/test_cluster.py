@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import math
+from datetime import datetime
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -354,3 +357,52 @@ def test_a_request_that_can_never_fit_a_worker_is_rejected_up_front_naming_it() 
 def test_the_startup_time_defaults_to_the_profiles() -> None:
     assert config().worker_startup_s == PROFILE.startup_s
     assert config(startup_s=1.5).worker_startup_s == 1.5
+
+
+# -- a real trace ----------------------------------------------------------------------------------
+
+AZURE_CONV = Path(__file__).parents[2] / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def azure_conv_minutes(minutes: float) -> Trace:
+    """The first minutes of the Azure conversation trace (parsed here, not by trace_io)."""
+    stamps, prompt, output = [], [], []
+    with AZURE_CONV.open(newline="") as f:
+        reader = csv.reader(f)
+        next(reader)
+        for row in reader:
+            stamps.append(datetime.fromisoformat(row[0][:26]).timestamp())  # 7 digits -> 6
+            prompt.append(int(row[1]))
+            output.append(int(row[2]))
+    t = np.asarray(stamps)
+    order = np.argsort(t, kind="stable")
+    arrival = t[order] - t[order[0]]
+    keep = order[arrival <= minutes * 60]
+    return trace_of(
+        (t[keep] - t[order[0]]).tolist(),
+        np.asarray(prompt)[keep].tolist(),
+        np.asarray(output)[keep].tolist(),
+    )
+
+
+def test_on_the_azure_conversation_trace_no_request_beats_its_time_alone_and_none_is_lost() -> None:
+    trace = azure_conv_minutes(10.0)
+    cfg = config(prefill_workers=3, decode_workers=3, token_budget=512)
+    res = Cluster(cfg, trace).run()
+    assert res.completed == len(trace) > 1000
+    p = PROFILE
+    L = res.prompt_tokens.astype(np.float64)
+    alone_ttft_s = np.ceil(L / 512) * p.t0_s + p.t_tok_s * L + p.t_attn_s * L * (L + 1) / 2
+    assert np.all(res.ttft_s >= alone_ttft_s - 1e-9)  # times near 600 s: absolute rounding
+    out = res.output_tokens.astype(np.float64)
+    decodes = out - 1
+    # Alone: batch 1, reads L + 1 .. L + out - 1, after the handoff.
+    alone_decode_s = (
+        LINK_LATENCY_S
+        + L * p.kv_bytes_per_token / LINK_BYTES_PER_S
+        + decodes * (p.t0_s + p.t_tok_s)
+        + p.t_kv_s * (decodes * L + decodes * out / 2)
+    )
+    decoded = res.output_tokens > 1
+    took_s = (res.finish_s - res.first_token_s)[decoded]
+    assert np.all(took_s >= alone_decode_s[decoded] - 1e-9)
