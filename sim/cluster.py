@@ -76,6 +76,9 @@ class ClusterConfig:
     block_size_tokens: int = 16
     policy: SchedulingPolicy = SchedulingPolicy.CHUNKED_PREFILL
     startup_s: float | None = None
+    # At most this many prompts in progress on one prefill worker (vLLM's
+    # max_num_seqs); None: as many as the token budget admits.
+    prefill_max_running: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers", "token_budget", "block_size_tokens"):
@@ -95,6 +98,15 @@ class ClusterConfig:
             )
         if self.startup_s is not None and (not _finite(self.startup_s) or self.startup_s < 0):
             raise ValueError(f"startup_s: must be a finite number >= 0, got {self.startup_s!r}")
+        if self.prefill_max_running is not None and (
+            isinstance(self.prefill_max_running, bool)
+            or not isinstance(self.prefill_max_running, int)
+            or not 1 <= self.prefill_max_running <= self.token_budget
+        ):
+            raise ValueError(
+                "prefill_max_running: must be an integer in [1, token_budget], "
+                f"got {self.prefill_max_running!r}"
+            )
         if not isinstance(self.policy, SchedulingPolicy):
             raise ValueError(f"policy: must be a SchedulingPolicy, got {self.policy!r}")
         if self.kv_blocks_per_worker < 1:
@@ -260,7 +272,12 @@ class Cluster:
             state=WorkerState.STARTING if starting else WorkerState.SERVING,
             started_s=self.now_s,
             serving_from_s=serving_from_s,
-            scheduler=Scheduler(token_budget=cfg.token_budget, kv_cache=kv, policy=cfg.policy),
+            scheduler=Scheduler(
+                token_budget=cfg.token_budget,
+                kv_cache=kv,
+                policy=cfg.policy,
+                max_running=cfg.prefill_max_running,
+            ),
         )
         self._prefill.append(worker)
         if starting:
