@@ -1,0 +1,58 @@
+"""What the controller measures each tick (pure data; sources live in adapters).
+
+Every measured number is optional: a source that could not measure something (empty
+PromQL result, NaN, HTTP error, scrape failure) leaves it ``None`` rather than
+inventing a value, and the policy treats missing or stale data as a reason to hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from queueing.lengths import LengthSamples
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolObservation:
+    """One pool's replicas as the actuator reports them."""
+
+    current_replicas: int  # what the Deployment / process group is set to
+    ready_replicas: int  # how many are serving
+
+    def __post_init__(self) -> None:
+        for name in ("current_replicas", "ready_replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Observation:
+    """Measurements over the window ending at ``time_s`` (seconds, the controller's clock).
+
+    ``arrival_rate_rps`` is over the full window, ``burst_arrival_rate_rps`` over the
+    short burst window at its end. ``lengths`` are (prompt, output) samples of the
+    window's requests (or reconstructed from histograms); ``ttft_p99_s`` and
+    ``tpot_p99_s`` are the P99s observed at the router.
+    """
+
+    time_s: float
+    prefill: PoolObservation
+    decode: PoolObservation
+    arrival_rate_rps: float | None = None
+    burst_arrival_rate_rps: float | None = None
+    interarrival_scv: float | None = None
+    lengths: LengthSamples | None = None
+    ttft_p99_s: float | None = None
+    tpot_p99_s: float | None = None
+    prefill_queue_depth: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.time_s, int | float) and math.isfinite(self.time_s)):
+            raise ValueError(f"time_s: must be a finite number, got {self.time_s!r}")
+
+
+def usable(value: float | None) -> bool:
+    """A measured number the policy may act on: present, finite and not negative."""
+    return value is not None and math.isfinite(value) and value >= 0
