@@ -163,7 +163,9 @@ class ControllerConfig:
     @classmethod
     def from_dict(cls, data: Any) -> ControllerConfig:
         """Parse a full document; unknown or mistyped fields are errors naming them."""
-        return _build(cls, data, "")
+        config = _build(cls, data, "")
+        assert isinstance(config, ControllerConfig)
+        return config
 
     def merged(self, patch: Any) -> ControllerConfig:
         """This config with a JSON merge patch (RFC 7386) applied, validated whole."""

@@ -1,7 +1,8 @@
 """The layering contract of DESIGN §2, checked on the source's import statements.
 
 Lowest first: queueing (numpy/scipy only) -> the pure cores (workers.scheduler,
-workers.kv_cache, controller.policy) -> sim -> adapters -> CLI. A module may import
+workers.kv_cache, controller.policy and the plain data it decides on: controller.config,
+controller.observation, controller.actuator) -> sim -> adapters -> CLI. A module may import
 only from its own layer or below, and only adapter modules may import the I/O and
 runtime libraries.
 """
@@ -32,7 +33,14 @@ ADAPTER_LIBRARIES = {
     "starlette",
     "pydantic",
 }
-PURE_CORES = {"workers.scheduler", "workers.kv_cache", "controller.policy"}
+PURE_CORES = {
+    "workers.scheduler",
+    "workers.kv_cache",
+    "controller.policy",
+    "controller.config",
+    "controller.observation",
+    "controller.actuator",
+}
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,303 @@
+"""decide(): each stage table-driven, then behaviour over hours of simulated clock."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from controller.config import ControllerConfig, Mode, PoolLimits, SloConfig
+from controller.observation import Observation, PoolObservation
+from controller.policy import (
+    ControllerState,
+    Decision,
+    PoolState,
+    Reason,
+    cooldown,
+    dead_band,
+    decide,
+    rate_limit,
+    smooth,
+    stabilise,
+)
+from queueing.lengths import LengthSamples
+from sim.trace_io import load_lengths
+
+ROOT = Path(__file__).resolve().parents[2]
+_ALL = load_lengths(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv")
+LENGTHS = LengthSamples(
+    prompt_tokens=_ALL.prompt_tokens[::8].copy(),
+    output_tokens=_ALL.output_tokens[::8].copy(),
+    source="conv/8",
+)
+CONFIG = ControllerConfig(
+    profile="llama-2-70b-tp4@h100-sxm", slo=SloConfig(ttft_p99_s=1.0, tpot_p99_s=0.1)
+)
+
+
+def observation(
+    t: float,
+    rate: float | None,
+    prefill: int,
+    decode: int,
+    *,
+    burst: float | None = None,
+    lengths: LengthSamples | None = LENGTHS,
+    ttft: float | None = None,
+    tpot: float | None = None,
+) -> Observation:
+    return Observation(
+        time_s=t,
+        prefill=PoolObservation(current_replicas=prefill, ready_replicas=prefill),
+        decode=PoolObservation(current_replicas=decode, ready_replicas=decode),
+        arrival_rate_rps=rate,
+        burst_arrival_rate_rps=burst,
+        interarrival_scv=1.0,
+        lengths=lengths,
+        ttft_p99_s=ttft,
+        tpot_p99_s=tpot,
+    )
+
+
+def run(
+    rate_at: Callable[[float], float | None],
+    hours: float,
+    config: ControllerConfig = CONFIG,
+    start: tuple[int, int] = (1, 1),
+) -> list[Decision]:
+    """The policy in closed loop with an ideal actuator, one tick per interval."""
+    state = ControllerState()
+    current = start
+    decisions = []
+    t = 0.0
+    while t < hours * 3600:
+        rate = rate_at(t)
+        d = decide(observation(t, rate, *current, burst=rate), state, config, now_s=t)
+        decisions.append(d)
+        state = d.state
+        if d.actuate:
+            current = (d.prefill_target, d.decode_target)
+        t += config.interval_s
+    return decisions
+
+
+def changes(decisions: list[Decision], after_s: float = 0.0) -> int:
+    return sum(
+        (d.prefill_target != d.prefill_current) + (d.decode_target != d.decode_current)
+        for d in decisions
+        if d.state.last_tick_s is not None and d.state.last_tick_s >= after_s
+    )
+
+
+# -- defaults -----------------------------------------------------------------------------
+
+
+def test_the_seed_defaults_are_the_documented_ones() -> None:
+    c = ControllerConfig()
+    assert (1 - c.ema_weight, c.ema_weight) == (0.7, 0.3)
+    assert c.dead_band == 0.10
+    assert c.max_step_fraction == 0.5
+    assert c.window_s == 30.0 and c.interval_s == 30.0
+    assert c.scale_up_cooldown_s == c.window_s  # one window after a change
+    assert 0.10 <= c.headroom <= 0.20
+    assert c.scale_down_stabilisation_s == 300.0
+    assert c.mode is Mode.ACTIVE
+
+
+# -- stages -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "measured", "burst", "expected", "reason"),
+    [
+        (None, 10.0, None, 10.0, Reason.RATE_INITIALISED),
+        (10.0, 20.0, None, 13.0, Reason.RATE_SMOOTHED),  # 0.7 * 10 + 0.3 * 20
+        (10.0, 10.0, 30.0, 30.0, Reason.BURST_DETECTED),  # 30 > 1.5 * 10
+        (10.0, 10.0, 14.0, 10.0, Reason.RATE_SMOOTHED),  # 14 < 1.5 * 10: no burst
+    ],
+)
+def test_smoothing_is_an_ema_bypassed_upwards_by_a_burst(
+    old: float | None, measured: float, burst: float | None, expected: float, reason: Reason
+) -> None:
+    state = ControllerState(smoothed_rate_rps=old)
+    rate, entry = smooth(observation(0, measured, 1, 1, burst=burst), state, CONFIG)
+    assert rate == pytest.approx(expected)
+    assert entry.reason is reason
+
+
+@pytest.mark.parametrize(
+    ("target", "current", "expected"),
+    [(10, 10, 10), (11, 10, 11), (19, 20, 20), (18, 20, 18), (1, 2, 1), (2, 1, 2)],
+)
+def test_the_dead_band_ignores_changes_under_ten_percent(
+    target: int, current: int, expected: int
+) -> None:
+    assert dead_band("prefill", target, current, CONFIG)[0] == expected
+
+
+@pytest.mark.parametrize(
+    ("target", "current", "expected"),
+    [(40, 10, 15), (1, 10, 5), (3, 1, 2), (0, 1, 0), (12, 10, 12), (5, 2, 3)],
+)
+def test_rate_limit_moves_at_most_half_the_pool_and_at_least_one(
+    target: int, current: int, expected: int
+) -> None:
+    assert rate_limit("decode", target, current, CONFIG)[0] == expected
+
+
+@pytest.mark.parametrize(
+    ("target", "current", "since_change_s", "expected", "reason"),
+    [
+        (12, 10, 10.0, 10, Reason.COOLDOWN_UP),
+        (12, 10, 30.0, 12, None),
+        (8, 10, 100.0, 10, Reason.COOLDOWN_DOWN),
+        (8, 10, 120.0, 8, None),
+    ],
+)
+def test_cooldowns_are_separate_for_up_and_down(
+    target: int, current: int, since_change_s: float, expected: int, reason: Reason | None
+) -> None:
+    pstate = PoolState(last_change_s=1000.0)
+    got, entry = cooldown("prefill", target, current, pstate, CONFIG, 1000.0 + since_change_s)
+    assert got == expected
+    assert (entry.reason if entry else None) is reason
+
+
+def test_scale_down_waits_for_the_stabilisation_window_then_takes_the_highest_lower_target() -> (
+    None
+):
+    pstate = PoolState()
+    got, pstate, entry = stabilise("decode", 6, 10, pstate, CONFIG, 0.0)
+    assert (got, entry.reason if entry else None) == (10, Reason.STABILISING)
+    got, pstate, _ = stabilise("decode", 8, 10, pstate, CONFIG, 150.0)
+    assert got == 10
+    got, pstate, entry = stabilise("decode", 5, 10, pstate, CONFIG, 300.0)
+    assert (got, entry.reason if entry else None) == (8, Reason.STABILISED)
+    # A recommendation at or above current resets the window.
+    got, pstate, _ = stabilise("decode", 10, 10, pstate, CONFIG, 330.0)
+    assert pstate.below_since_s is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rate": None},
+        {"rate": math.nan},
+        {"rate": -1.0},
+        {"age_s": 600.0},
+    ],
+)
+def test_missing_nan_negative_or_stale_metrics_hold_with_metrics_stale(
+    bad: dict[str, float | None],
+) -> None:
+    rate = bad.get("rate", 5.0)
+    obs = observation(1000.0 - bad.get("age_s", 0.0), rate, 4, 3)
+    d = decide(obs, ControllerState(smoothed_rate_rps=50.0), CONFIG, now_s=1000.0)
+    assert (d.prefill_target, d.decode_target) == (4, 3)
+    assert not d.actuate
+    assert d.reasons[0].reason is Reason.METRICS_STALE
+
+
+def test_a_scale_down_unsafe_at_the_current_raw_rate_is_refused() -> None:
+    # The smoothed rate is low (it recommends one worker) but the raw rate right now is
+    # high: the pools already hold exactly what that raw rate needs, so any removal
+    # would miss the SLO at the current load.
+    needed = decide(observation(0.0, 40.0, 1, 1), ControllerState(), CONFIG, now_s=0.0)
+    assert needed.recommended is not None
+    n, m = needed.recommended
+    state = ControllerState(
+        smoothed_rate_rps=0.5,
+        lengths=LENGTHS,
+        prefill=PoolState(below_since_s=0.0, below_max=1),
+        decode=PoolState(below_since_s=0.0, below_max=1),
+    )
+    config = replace(CONFIG, ema_weight=0.01)
+    d = decide(observation(1000.0, 40.0, n, m), state, config, now_s=1000.0)
+    assert d.recommended is not None and d.recommended[0] < n
+    assert d.prefill_target == n
+    assert any(r.reason is Reason.SCALE_DOWN_UNSAFE and r.pool == "prefill" for r in d.reasons)
+
+
+def test_advisory_mode_decides_but_never_actuates() -> None:
+    config = replace(CONFIG, mode=Mode.ADVISORY)
+    d = decide(observation(0.0, 40.0, 1, 1), ControllerState(), config, now_s=0.0)
+    assert d.prefill_target > 1
+    assert not d.actuate
+    assert any("advisory" in r.detail for r in d.reasons)
+
+
+def test_the_gpu_budget_splits_workers_to_minimise_the_worst_slo_ratio() -> None:
+    config = replace(CONFIG, gpu_budget=4 * 6, prefill=PoolLimits(max_replicas=64))  # 6 TP4
+    d = decide(observation(0.0, 60.0, 3, 3), ControllerState(), config, now_s=0.0)
+    assert d.prefill_target + d.decode_target <= 6
+    assert any(r.reason is Reason.GPU_BUDGET for r in d.reasons)
+
+
+def test_min_and_max_replicas_bound_every_target() -> None:
+    config = replace(
+        CONFIG,
+        prefill=PoolLimits(min_replicas=2, max_replicas=3),
+        decode=PoolLimits(min_replicas=2, max_replicas=2),
+    )
+    d = decide(observation(0.0, 80.0, 2, 2), ControllerState(), config, now_s=0.0)
+    assert d.prefill_target == 3 and d.decode_target == 2
+
+
+def test_calibration_is_bounded_and_follows_observed_over_predicted() -> None:
+    d0 = decide(observation(0.0, 8.0, 2, 1), ControllerState(), CONFIG, now_s=0.0)
+    predicted = d0.state.prefill.predicted_p99_s
+    assert predicted is not None
+    obs = observation(30.0, 8.0, 2, 1, ttft=predicted * 10)  # the model is 10x optimistic
+    d1 = decide(obs, d0.state, CONFIG, now_s=30.0)
+    factor = d1.state.prefill.calibration
+    assert factor == pytest.approx(min(2.0, 0.8 + 0.2 * 10))
+    assert d1.model_error["prefill"] == pytest.approx(9.0)
+
+
+def test_state_survives_a_json_round_trip() -> None:
+    d = decide(observation(0.0, 8.0, 1, 1), ControllerState(), CONFIG, now_s=0.0)
+    again = ControllerState.from_dict(d.state.to_dict())
+    assert again.to_dict() == d.state.to_dict()
+
+
+# -- behaviour over time --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", [3.0, 12.0, 40.0])
+def test_constant_load_with_15_percent_noise_makes_no_changes_after_settling(rate: float) -> None:
+    rng = np.random.default_rng(int(rate))
+    decisions = run(lambda t: rate * (1 + rng.uniform(-0.15, 0.15)), hours=2)
+    assert changes(decisions, after_s=600) == 0
+
+
+def test_a_load_between_one_and_two_workers_does_not_oscillate() -> None:
+    # Find a rate whose answer flips between 1 and 2 prefill workers within +-15 %.
+    d_low = decide(observation(0.0, 2.0, 1, 1), ControllerState(), CONFIG, now_s=0.0)
+    rate = 2.0
+    while d_low.recommended and d_low.recommended[0] < 2:
+        rate *= 1.05
+        d_low = decide(observation(0.0, rate, 1, 1), ControllerState(), CONFIG, now_s=0.0)
+    rng = np.random.default_rng(5)
+    decisions = run(lambda t: rate * (1 + rng.uniform(-0.15, 0.15)), hours=2)
+    prefill = [d.prefill_target for d in decisions[20:]]
+    flips = sum(a != b for a, b in zip(prefill, prefill[1:], strict=False))
+    assert flips <= 1
+
+
+def test_a_three_fold_step_is_scaled_up_on_the_first_tick_that_sees_it() -> None:
+    step_at = 1800.0
+    decisions = run(lambda t: 10.0 if t < step_at else 30.0, hours=1)
+    first = next(d for d in decisions if d.state.last_tick_s == step_at)
+    assert first.prefill_target > first.prefill_current
+
+
+def test_ten_minutes_of_missing_metrics_never_scale_down() -> None:
+    decisions = run(lambda t: 30.0 if t < 1200 or t >= 1800 else None, hours=1)
+    gap = [d for d in decisions if 1200 <= (d.state.last_tick_s or 0) < 1800]
+    assert gap and all(d.prefill_target == d.prefill_current for d in gap)
+    assert all(d.decode_target == d.decode_current for d in gap)
+    assert all(d.reasons[0].reason is Reason.METRICS_STALE for d in gap)
