@@ -155,6 +155,8 @@ class ClusterSnapshot:
     window_arrival_rate_rps: float
     window_prompt_tokens: IntArray
     window_output_tokens: IntArray
+    window_completed_prompt_tokens: IntArray  # paired with window_output_tokens
+    window_arrival_s: FloatArray
     window_ttft_s: FloatArray
     window_tpot_s: FloatArray
 
@@ -597,6 +599,8 @@ class Cluster:
             window_arrival_rate_rps=window_arrivals / window_s,
             window_prompt_tokens=self.trace.prompt_tokens[first_arrival:arrived].copy(),
             window_output_tokens=output[done_req],
+            window_completed_prompt_tokens=self.trace.prompt_tokens[done_req],
+            window_arrival_s=arrival[first_arrival:arrived].copy(),
             window_ttft_s=first[ttft_req] - arrival[ttft_req],
             window_tpot_s=tpot.astype(np.float64),
         )

@@ -1,0 +1,127 @@
+"""Prometheus histograms: quantiles and reconstructed samples from bucket counts.
+
+A bucket is ``(upper_bound, cumulative_count)`` as in the exposition format's ``le``
+label: the count of observations ``<= upper_bound``. Counts may be absolute or per
+second (rates): only their proportions matter. Both observation sources use these
+functions, so the scrape source's P99 is computed exactly as PromQL's
+``histogram_quantile`` (Prometheus 2.42, ``promql/quantile.go``) computes it:
+
+- the buckets must include ``+Inf``; duplicate bounds are merged; counts are made
+  non-decreasing (they can dip when the buckets are not scraped atomically);
+- the value is interpolated linearly inside the bucket that holds the rank; the
+  first bucket starts at 0 (unless its bound is <= 0);
+- a rank in the ``+Inf`` bucket answers the highest finite bound: a lower bound of
+  the truth, which is why length and latency buckets should end above any real value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from queueing.lengths import LengthSamples
+
+FloatArray = npt.NDArray[np.float64]
+Bucket = tuple[float, float]  # (upper bound, cumulative count)
+
+DEFAULT_SAMPLES = 500
+
+
+def _normalised(buckets: Iterable[Bucket]) -> tuple[FloatArray, FloatArray] | None:
+    """Sorted bounds and monotone cumulative counts, or None where PromQL gives NaN."""
+    merged: dict[float, float] = {}
+    for bound, count in buckets:
+        if math.isnan(bound) or not math.isfinite(count):
+            return None
+        merged[bound] = merged.get(bound, 0.0) + count
+    if len(merged) < 2 or math.inf not in merged:
+        return None
+    bounds = np.array(sorted(merged), dtype=np.float64)
+    counts = np.maximum.accumulate(np.array([merged[b] for b in bounds], dtype=np.float64))
+    if counts[-1] <= 0:
+        return None
+    return bounds, counts
+
+
+def _quantiles(bounds: FloatArray, counts: FloatArray, qs: FloatArray) -> FloatArray:
+    """Vectorised ``bucketQuantile`` for normalised buckets."""
+    ranks = qs * counts[-1]
+    # The first bucket (among all but +Inf) whose cumulative count reaches the rank.
+    b = np.searchsorted(counts[:-1], ranks, side="left")
+    last = len(bounds) - 1
+    in_top = b == last
+    b = np.minimum(b, last - 1)
+    end = bounds[b]
+    start = np.where(b > 0, bounds[np.maximum(b - 1, 0)], 0.0)
+    below = np.where(b > 0, counts[np.maximum(b - 1, 0)], 0.0)
+    width = counts[b] - below
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inside = np.where(width > 0, (ranks - below) / width, 0.0)
+    values = start + (end - start) * inside
+    values = np.where((b == 0) & (bounds[0] <= 0), bounds[0], values)
+    return np.where(in_top, bounds[last - 1], values)
+
+
+def histogram_quantile(q: float, buckets: Iterable[Bucket]) -> float | None:
+    """The ``q`` quantile, as PromQL's ``histogram_quantile(q, ...)`` computes it.
+
+    ``None`` where PromQL answers NaN: no ``+Inf`` bucket, fewer than two buckets,
+    no observations, or a NaN count. ``q`` outside [0, 1] is a programming error.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q: must be in [0, 1], got {q!r}")
+    normal = _normalised(buckets)
+    if normal is None:
+        return None
+    return float(_quantiles(*normal, np.array([q]))[0])
+
+
+def bucket_samples(buckets: Iterable[Bucket], *, n: int = DEFAULT_SAMPLES) -> FloatArray | None:
+    """``n`` values, sorted, whose histogram matches the buckets' proportions.
+
+    Sample i is the histogram's quantile at ``(i + 0.5) / n``: each bucket gets its
+    share of the ``n`` samples to within one, spread evenly (uniformly) over the
+    bucket, and the result is deterministic. Samples in the ``+Inf`` bucket sit at the
+    highest finite bound (as ``histogram_quantile`` answers). ``None`` when the
+    buckets hold no observations or are malformed (as for ``histogram_quantile``).
+    """
+    if n < 1:
+        raise ValueError(f"n: must be >= 1, got {n!r}")
+    normal = _normalised(buckets)
+    if normal is None:
+        return None
+    return _quantiles(*normal, (np.arange(n, dtype=np.float64) + 0.5) / n)
+
+
+def length_samples(
+    prompt_buckets: Iterable[Bucket],
+    output_buckets: Iterable[Bucket],
+    *,
+    source: str,
+    n: int = DEFAULT_SAMPLES,
+) -> LengthSamples | None:
+    """(prompt, output) token-length pairs reconstructed from two histograms.
+
+    Histograms keep the two marginals but lose which prompt came with which output.
+    The pairs are formed in quantile order (the i-th shortest prompt with the i-th
+    shortest output): of all pairings of the same marginals this one maximises
+    E[prompt x output] (rearrangement inequality), so the output-weighted decode
+    context, the one quantity the pairing changes, is over- rather than
+    under-estimated; it is also deterministic. Lengths are rounded up to whole tokens
+    (an integer bound stays in its ``le`` bucket) and are at least 1.
+    ``None`` when either histogram has no observations.
+    """
+    prompt = bucket_samples(prompt_buckets, n=n)
+    output = bucket_samples(output_buckets, n=n)
+    if prompt is None or output is None:
+        return None
+    return LengthSamples(
+        prompt_tokens=_tokens(prompt), output_tokens=_tokens(output), source=source
+    )
+
+
+def _tokens(values: FloatArray) -> npt.NDArray[np.int64]:
+    return np.maximum(np.ceil(values), 1.0).astype(np.int64)

@@ -1,0 +1,130 @@
+"""The controller in the loop of a simulated cluster: a source, an actuator, a runner.
+
+``SimulatedSource`` measures a ``Cluster`` the way the Prometheus source measures a
+real deployment (windowed arrival rate, a short burst window, P99 TTFT/TPOT of the
+window's requests, the length mix of the window's completions);
+``SimulatedActuator`` scales its pools through the cluster's scaling hook (new
+workers serve only after the startup delay; removed ones drain). ``run_controlled``
+ticks the production ``controller.policy.decide`` between them — the same function
+the real control loop runs, not a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.actuator import Pool
+from controller.config import ControllerConfig
+from controller.observation import Observation, PoolObservation
+from controller.policy import ControllerState, Decision, decide
+from queueing.lengths import LengthSamples
+from queueing.profile import IterationProfile
+from sim.cluster import Cluster, ClusterSnapshot
+from sim.cluster import Pool as SimPool
+
+_SIM_POOL = {Pool.PREFILL: SimPool.PREFILL, Pool.DECODE: SimPool.DECODE}
+MIN_LENGTH_SAMPLES = 50
+MIN_LATENCY_SAMPLES = 20
+
+
+class SimulatedActuator:
+    """Scales a simulated cluster's pools; reports desired and serving workers."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def observe(self, pool: Pool) -> PoolObservation:
+        snap = self.cluster.snapshot(window_s=1.0)
+        p = snap.prefill if pool is Pool.PREFILL else snap.decode
+        return PoolObservation(current_replicas=p.starting + p.serving, ready_replicas=p.serving)
+
+    def scale(self, pool: Pool, replicas: int) -> None:
+        self.cluster.set_pool_size(_SIM_POOL[pool], replicas, self.cluster.now_s)
+
+
+class SimulatedSource:
+    """Windowed measurements of a simulated cluster, as an ``Observation``."""
+
+    def __init__(self, cluster: Cluster, *, window_s: float, burst_window_s: float) -> None:
+        self.cluster = cluster
+        self.window_s = window_s
+        self.burst_window_s = burst_window_s
+
+    def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Observation:
+        snap = self.cluster.snapshot(window_s=self.window_s)
+        burst = self.cluster.snapshot(window_s=self.burst_window_s)
+        return Observation(
+            time_s=now_s,
+            prefill=replicas[Pool.PREFILL],
+            decode=replicas[Pool.DECODE],
+            arrival_rate_rps=snap.window_arrival_rate_rps,
+            burst_arrival_rate_rps=burst.window_arrival_rate_rps,
+            interarrival_scv=_scv(snap.window_arrival_s),
+            lengths=_lengths(snap),
+            ttft_p99_s=_p99(snap.window_ttft_s),
+            tpot_p99_s=_p99(snap.window_tpot_s),
+            prefill_queue_depth=float(snap.prefill.queue_length),
+        )
+
+
+def _p99(values: np.ndarray) -> float | None:
+    finite = values[np.isfinite(values)]
+    if len(finite) < MIN_LATENCY_SAMPLES:
+        return None
+    return float(np.quantile(finite, 0.99))
+
+
+def _scv(arrivals: np.ndarray) -> float | None:
+    if len(arrivals) < 10:
+        return None
+    gaps = np.diff(arrivals)
+    mean = float(gaps.mean())
+    return float(gaps.var() / (mean * mean)) if mean > 0 else None
+
+
+def _lengths(snap: ClusterSnapshot) -> LengthSamples | None:
+    if len(snap.window_output_tokens) < MIN_LENGTH_SAMPLES:
+        return None
+    return LengthSamples(
+        prompt_tokens=snap.window_completed_prompt_tokens.astype(np.int64),
+        output_tokens=snap.window_output_tokens.astype(np.int64),
+        source=f"window ending at {snap.time_s:.0f} s",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlledRun:
+    decisions: tuple[Decision, ...]
+    final_state: ControllerState
+
+
+def run_controlled(
+    cluster: Cluster,
+    config: ControllerConfig,
+    *,
+    profile: IterationProfile,
+    until_s: float,
+    state: ControllerState | None = None,
+) -> ControlledRun:
+    """Tick ``decide`` every ``config.interval_s`` of simulated time until ``until_s``."""
+    source = SimulatedSource(cluster, window_s=config.window_s,
+                             burst_window_s=config.burst_window_s)
+    actuator = SimulatedActuator(cluster)
+    state = state or ControllerState()
+    decisions: list[Decision] = []
+    t = config.interval_s
+    while t <= until_s:
+        cluster.run_until(t)
+        replicas = {pool: actuator.observe(pool) for pool in Pool}
+        observation = source.observe(now_s=t, replicas=replicas)
+        decision = decide(observation, state, config, now_s=t, profile=profile)
+        decisions.append(decision)
+        state = decision.state
+        if decision.actuate:
+            actuator.scale(Pool.PREFILL, decision.prefill_target)
+            actuator.scale(Pool.DECODE, decision.decode_target)
+        t += config.interval_s
+    return ControlledRun(decisions=tuple(decisions), final_state=state)
