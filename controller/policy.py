@@ -191,9 +191,27 @@ class Decision:
         return self.prefill_target if pool == "prefill" else self.decode_target
 
     def reason_for(self, pool: str) -> Reason:
-        """The final reason for a pool's target (the last entry naming it or both)."""
+        """The one reason that best explains a pool's outcome (for metric labels).
+
+        Stale data explains everything; a change is SCALE_UP/SCALE_DOWN; no change is
+        explained by the last stage that held the pool (dead-band, stabilisation,
+        cooldown, unsafe scale-down, clamp), else NO_CHANGE.
+        """
+        if self.reasons and self.reasons[0].reason is Reason.METRICS_STALE:
+            return Reason.METRICS_STALE
+        verdict = Reason.NO_CHANGE
+        for entry in self.reasons:
+            if entry.stage is Stage.ACTUATE and entry.pool in (pool, None):
+                verdict = entry.reason
+        if verdict is not Reason.NO_CHANGE:
+            return verdict
+        holding = (Stage.SAFETY, Stage.DEAD_BAND, Stage.STABILISE, Stage.COOLDOWN, Stage.CLAMP)
         for entry in reversed(self.reasons):
-            if entry.pool in (pool, None) and entry.stage is Stage.ACTUATE:
+            if (
+                entry.stage in holding
+                and entry.pool in (pool, None)
+                and entry.reason is not Reason.SCALE_DOWN_SAFE
+            ):
                 return entry.reason
         return Reason.NO_CHANGE
 

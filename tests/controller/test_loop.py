@@ -1,0 +1,173 @@
+"""The control loop around decide(): config from the store, state that survives a
+restart, actuator failures reported, history and metrics published."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from controller.actuator import ActuatorError, Pool
+from controller.config import ControllerConfig, Mode, SloConfig
+from controller.loop import ControlLoop
+from controller.metrics import ControllerMetrics
+from controller.observation import Observation, PoolObservation
+from controller.store import MemoryConfigStore
+from queueing.lengths import LengthSamples
+
+CONFIG = ControllerConfig(
+    profile="llama-2-70b-tp4@h100-sxm", slo=SloConfig(ttft_p99_s=1.0, tpot_p99_s=0.1)
+)
+rng = np.random.default_rng(3)
+LENGTHS = LengthSamples(
+    prompt_tokens=np.clip(rng.lognormal(np.log(1000), 0.7, 800), 8, 8000).astype(np.int64),
+    output_tokens=np.clip(rng.lognormal(np.log(150), 0.8, 800), 2, 1500).astype(np.int64),
+    source="lognormal",
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FixedRateSource:
+    """A source reporting a settable rate: the loop's own behaviour is under test here."""
+
+    def __init__(self, clock: Clock, rate: float) -> None:
+        self.clock = clock
+        self.rate: float | None = rate
+
+    def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Observation:
+        return Observation(
+            time_s=now_s,
+            prefill=replicas[Pool.PREFILL],
+            decode=replicas[Pool.DECODE],
+            arrival_rate_rps=self.rate,
+            burst_arrival_rate_rps=self.rate,
+            interarrival_scv=1.0,
+            lengths=LENGTHS,
+        )
+
+
+class IdealActuator:
+    def __init__(self, prefill: int, decode: int) -> None:
+        self.replicas = {Pool.PREFILL: prefill, Pool.DECODE: decode}
+        self.calls: list[tuple[Pool, int]] = []
+        self.fail: ActuatorError | None = None
+
+    def observe(self, pool: Pool) -> PoolObservation:
+        n = self.replicas[pool]
+        return PoolObservation(current_replicas=n, ready_replicas=n)
+
+    def scale(self, pool: Pool, replicas: int) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append((pool, replicas))
+        self.replicas[pool] = replicas
+
+
+def make_loop(
+    tmp_path: Path,
+    clock: Clock,
+    source: FixedRateSource,
+    actuator: IdealActuator,
+    store: MemoryConfigStore | None = None,
+) -> ControlLoop:
+    return ControlLoop(
+        store=store or MemoryConfigStore(CONFIG),
+        source=source,
+        actuator=actuator,
+        metrics=ControllerMetrics(),
+        clock=clock,
+        state_dir=tmp_path,
+    )
+
+
+def test_a_tick_scales_up_an_undersized_pool_and_records_why(tmp_path: Path) -> None:
+    clock = Clock()
+    actuator = IdealActuator(1, 1)
+    loop = make_loop(tmp_path, clock, FixedRateSource(clock, 40.0), actuator)
+    record = loop.tick()
+    assert record.applied and record.error is None
+    assert actuator.replicas[Pool.PREFILL] > 1
+    assert loop.decisions(10)[0]["reasons"]
+    assert loop.ready()
+    status = loop.status()
+    assert status["desired"]["prefill"] == actuator.replicas[Pool.PREFILL]
+
+
+def test_a_restarted_loop_resumes_without_a_burst_of_changes(tmp_path: Path) -> None:
+    clock = Clock()
+    actuator = IdealActuator(1, 1)
+    source = FixedRateSource(clock, 40.0)
+    loop = make_loop(tmp_path, clock, source, actuator)
+    for _ in range(20):
+        loop.tick()
+        clock.now += 30
+    settled = dict(actuator.replicas)
+    # The load drops; the first loop starts its stabilisation window, then "crashes".
+    source.rate = 5.0
+    for _ in range(4):
+        loop.tick()
+        clock.now += 30
+    assert actuator.replicas == settled
+    restarted = make_loop(tmp_path, clock, source, actuator)
+    assert restarted.state.prefill.below_since_s is not None  # the window survived
+    restarted.tick()
+    assert actuator.replicas == settled  # still inside the 300 s stabilisation window
+    clock.now += 200
+    restarted.tick()
+    assert actuator.replicas[Pool.PREFILL] < settled[Pool.PREFILL]  # window held: scales down
+
+
+def test_a_config_change_in_the_store_applies_on_the_next_tick(tmp_path: Path) -> None:
+    clock = Clock()
+    actuator = IdealActuator(1, 1)
+    store = MemoryConfigStore(CONFIG)
+    loop = make_loop(tmp_path, clock, FixedRateSource(clock, 40.0), actuator, store)
+    loop.tick()
+    current = store.load()
+    store.replace(
+        current.config.merged({"prefill": {"max_replicas": 1}}), expected_version=current.version
+    )
+    clock.now += 600
+    loop.tick()
+    assert actuator.replicas[Pool.PREFILL] == 1
+
+
+def test_advisory_mode_never_calls_the_actuator(tmp_path: Path) -> None:
+    clock = Clock()
+    actuator = IdealActuator(1, 1)
+    store = MemoryConfigStore(CONFIG.with_mode(Mode.ADVISORY))
+    loop = make_loop(tmp_path, clock, FixedRateSource(clock, 40.0), actuator, store)
+    record = loop.tick()
+    assert actuator.calls == []
+    assert record.decision is not None and record.decision.prefill_target > 1
+
+
+def test_an_actuator_failure_is_reported_and_the_loop_carries_on(tmp_path: Path) -> None:
+    clock = Clock()
+    actuator = IdealActuator(1, 1)
+    actuator.fail = ActuatorError("deployment default/prefill not found")
+    loop = make_loop(tmp_path, clock, FixedRateSource(clock, 40.0), actuator)
+    record = loop.tick()
+    assert not record.applied
+    assert record.error is not None and "not found" in record.error
+    assert loop.status()["last_error"] == record.error
+
+
+def test_missing_metrics_hold_and_publish_the_reason(tmp_path: Path) -> None:
+    clock = Clock()
+    actuator = IdealActuator(3, 2)
+    source = FixedRateSource(clock, 40.0)
+    source.rate = None
+    loop = make_loop(tmp_path, clock, source, actuator)
+    loop.tick()
+    assert actuator.calls == []
+    text = loop.metrics.exposition().decode()
+    assert 'reason="metrics_stale"' in text
