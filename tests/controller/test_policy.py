@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -284,7 +285,7 @@ def test_a_load_between_one_and_two_workers_does_not_oscillate() -> None:
     rng = np.random.default_rng(5)
     decisions = run(lambda t: rate * (1 + rng.uniform(-0.15, 0.15)), hours=2)
     prefill = [d.prefill_target for d in decisions[20:]]
-    flips = sum(a != b for a, b in zip(prefill, prefill[1:], strict=False))
+    flips = sum(a != b for a, b in itertools.pairwise(prefill))
     assert flips <= 1
 
 
