@@ -8,10 +8,12 @@ prefill pool has 4 workers; the decode pool gets the fewest workers whose mean K
 use is at most the same utilisation (and whose P99 batch and KV fit).
 
 ``u_sim`` is the simulated prefill busy time over (workers x the arrival span).
-The simulated P99 has sampling noise; its 95 % confidence interval from the order
-statistics is printed as ``ci%`` (half-width relative to the value).
+The simulated P99 has sampling noise that an order-statistic interval understates
+(queueing waits are autocorrelated), so each row is simulated with ``--replications``
+independent seeds; the error is against the mean of their P99s and ``ci%`` is the
+half-width of a t-interval (95 %) over the replications, relative to the mean.
 
-    .venv/bin/python bench/model_fidelity.py            # full table (~2-4 min, 2 cores)
+    .venv/bin/python bench/model_fidelity.py            # full table (~5 min, 2 cores)
     .venv/bin/python bench/model_fidelity.py --quick    # fewer requests and rows
 """
 
@@ -73,15 +75,16 @@ class Row:
         return self.tpot_pred_s / self.tpot_sim_s - 1.0
 
 
-def p99_ci(values: np.ndarray) -> tuple[float, float]:
-    """P99 and the relative half-width of its 95 % order-statistic interval."""
-    v = np.sort(values[~np.isnan(values)])
-    n = len(v)
-    p99 = float(np.quantile(v, 0.99))
-    spread = 1.96 * math.sqrt(n * 0.99 * 0.01)
-    lo = v[max(0, math.floor(n * 0.99 - spread))]
-    hi = v[min(n - 1, math.ceil(n * 0.99 + spread))]
-    return p99, float((hi - lo) / 2.0 / p99)
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 7: 2.36, 9: 2.26}
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and the relative half-width of its 95 % t-interval."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    half = T_975.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, half / mean
 
 
 def decode_workers_for(model: CapacityModel, rate: float, ca2: float, u: float) -> int:
@@ -99,16 +102,13 @@ def decode_workers_for(model: CapacityModel, rate: float, ca2: float, u: float) 
         m += 1
 
 
-def run_row(args: tuple[str, str, float, float, int]) -> Row:
-    mix, profile_name, ca2, u, requests = args
+def run_row(args: tuple[str, str, float, float, int, int]) -> Row:
+    mix, profile_name, ca2, u, requests, replications = args
     profile = resolve_profile(profile_name)
     lengths = load_lengths(MIXES[mix])
     model = CapacityModel.build(lengths, profile, tpot_slo_s=PROFILES[profile_name], link=LINK)
     rate = u * PREFILL_WORKERS / model.prefill.mean_service_s
     m = decode_workers_for(model, rate, ca2, u)
-    rng = np.random.default_rng(zlib.crc32(repr((mix, profile_name, ca2, u)).encode()))
-    arrivals = gamma_arrivals(rate_rps=rate, ca2=ca2, duration_s=requests / rate, rng=rng)
-    trace = synthesize(arrival_s=arrivals, lengths=lengths, rng=rng, source=mix)
     config = ClusterConfig(
         prefill_workers=PREFILL_WORKERS,
         decode_workers=m,
@@ -116,9 +116,18 @@ def run_row(args: tuple[str, str, float, float, int]) -> Row:
         token_budget=model.token_budget,
         kv_link_bytes_per_s=LINK.bytes_per_s,
     )
-    results = Cluster(config, trace).run()
-    ttft_sim, ttft_ci = p99_ci(results.ttft_s)
-    tpot_sim, tpot_ci = p99_ci(results.tpot_s)
+    ttft, tpot, busy = [], [], []
+    for replication in range(replications):
+        seed = zlib.crc32(repr((mix, profile_name, ca2, u, replication)).encode())
+        rng = np.random.default_rng(seed)
+        arrivals = gamma_arrivals(rate_rps=rate, ca2=ca2, duration_s=requests / rate, rng=rng)
+        trace = synthesize(arrival_s=arrivals, lengths=lengths, rng=rng, source=mix)
+        results = Cluster(config, trace).run()
+        ttft.append(float(np.quantile(results.ttft_s, 0.99)))
+        tpot.append(float(np.nanquantile(results.tpot_s, 0.99)))
+        busy.append(results.prefill_busy_s / (PREFILL_WORKERS * trace.duration_s))
+    ttft_sim, ttft_ci = mean_ci(ttft)
+    tpot_sim, tpot_ci = mean_ci(tpot)
     kwargs = {"workers": PREFILL_WORKERS, "arrival_rate_rps": rate, "ca2": ca2, "quantile": 0.99}
     return Row(
         mix=mix,
@@ -126,7 +135,7 @@ def run_row(args: tuple[str, str, float, float, int]) -> Row:
         ca2=ca2,
         utilisation=u,
         decode_workers=m,
-        sim_utilisation=results.prefill_busy_s / (PREFILL_WORKERS * trace.duration_s),
+        sim_utilisation=statistics.fmean(busy),
         ttft_pred_s=model.prefill.ttft_quantile_s(**kwargs),
         ttft_sim_s=ttft_sim,
         ttft_ci=ttft_ci,
@@ -141,13 +150,15 @@ def run_row(args: tuple[str, str, float, float, int]) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and rows")
-    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--requests", type=int, default=15_000, help="per replication")
+    parser.add_argument("--replications", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
     requests = 6_000 if args.quick else args.requests
+    replications = 1 if args.quick else args.replications
     utils = (0.5, 0.85) if args.quick else UTILISATIONS
     jobs = [
-        (mix, profile, ca2, u, requests)
+        (mix, profile, ca2, u, requests, replications)
         for mix in MIXES
         for profile in PROFILES
         for ca2 in (1.0, 4.0)

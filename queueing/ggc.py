@@ -113,7 +113,10 @@ def ggc_wait_tail(
     rho = load / servers
     p_mmc = erlang_c(servers, load)
     beta = (1.0 - rho) * math.sqrt(servers)
-    correction = _log_halfin_whitt_alpha(beta / math.sqrt(z)) - _log_halfin_whitt_alpha(beta)
+    z_arrivals = max((ca2 + 1.0) / 2.0, 1e-9)
+    correction = _log_halfin_whitt_alpha(beta / math.sqrt(z_arrivals)) - _log_halfin_whitt_alpha(
+        beta
+    )
     p_wait = min(1.0, p_mmc * math.exp(correction))
     decay = servers * (1.0 - rho) / (mean_service_s * z)
     return WaitTail(wait_probability=p_wait, decay_rate_per_s=decay)

@@ -61,6 +61,45 @@ def prefill_service_s(
     return result
 
 
+def _shared_iteration_terms(
+    profile: IterationProfile, lengths: FloatArray, service: FloatArray, token_budget: int
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """Per prompt: what a queued prompt adds after its wait (without and per unit of
+    P_w), and the fill of a lone multi-chunk prompt's last iteration.
+
+    The worker that frees up for a queued prompt is either done with its previous
+    prompt (probability 1 - p_multi: the queued prompt starts a fresh iteration and
+    takes its solo time) or scheduling that prompt's last chunk of ``a`` tokens
+    (p_multi = the share of prompts longer than tau; ``a`` follows the empirical
+    last-chunk distribution). In the second case the queue's view of the wait ends
+    with that shared iteration, in which the queued prompt already gets tau - a of its
+    tokens; only the rest remains. Either way, when work is still queued, its last
+    iteration is filled by the next prompt.
+    """
+    tau = float(token_budget)
+    multi = lengths > tau
+    p_multi = float(multi.mean())
+    if p_multi > 0:
+        last_chunks = lengths[multi] - (np.ceil(lengths[multi] / tau) - 1.0) * tau
+        ahead = np.quantile(last_chunks, (np.arange(8) + 0.5) / 8)[None, :]  # equal masses
+    else:
+        ahead = np.zeros((1, 1))
+    solo_iterations = np.ceil(lengths / tau)
+    # Fresh start: the solo service, and the fill of its last iteration.
+    fresh_fill = profile.t_tok_s * (solo_iterations * tau - lengths)
+    # Shared start: tau - a tokens ride in the shared iteration, the rest follows.
+    first = np.minimum(tau - ahead, lengths[:, None])
+    rest = lengths[:, None] - first
+    iterations = np.ceil(rest / tau - 1e-12)
+    pairs_left = lengths[:, None] * (lengths[:, None] + 1.0) / 2.0 - first * (first + 1.0) / 2.0
+    shared_base = iterations * profile.t0_s + profile.t_tok_s * rest + profile.t_attn_s * pairs_left
+    shared_fill = profile.t_tok_s * (iterations * tau - rest)
+    waited_base: FloatArray = (1.0 - p_multi) * service + p_multi * shared_base.mean(axis=1)
+    waited_per_pw: FloatArray = (1.0 - p_multi) * fresh_fill + p_multi * shared_fill.mean(axis=1)
+    fill_alone: FloatArray = np.where(multi, fresh_fill, 0.0)
+    return waited_base, waited_per_pw, fill_alone
+
+
 class UnstableQueueError(ValueError):
     """The offered load meets or exceeds the pool's capacity."""
 
@@ -74,6 +113,7 @@ class PrefillModel:
     """
 
     service_s: FloatArray
+    fill_alone_s: FloatArray  # a multi-chunk prompt's last iteration filled by queued work
     waited_base_s: FloatArray  # span of a prompt that waited, without the P_w term
     waited_per_pw_s: FloatArray  # ... plus this times P_w (the next prompt's chunk)
     weights: FloatArray
@@ -91,12 +131,14 @@ class PrefillModel:
         mean = float(service.mean())
         lengths = samples.prompt_tokens.astype(np.float64)
         iterations_saved = np.ceil(lengths / token_budget) - lengths / token_budget
-        half_budget_s = profile.t_tok_s * token_budget / 2.0
-        waited = service + profile.t0_s * (1.0 - iterations_saved) + half_budget_s
+        waited_base, waited_per_pw, fill_alone = _shared_iteration_terms(
+            profile, lengths, service, token_budget
+        )
         return cls(
             service_s=strata.means(service),
-            waited_base_s=strata.means(waited),
-            waited_per_pw_s=np.full(len(strata.weights), half_budget_s),
+            fill_alone_s=strata.means(fill_alone),
+            waited_base_s=strata.means(waited_base),
+            waited_per_pw_s=strata.means(waited_per_pw),
             weights=strata.weights,
             mean_service_s=mean,
             packed_service_s=mean - profile.t0_s * float(iterations_saved.mean()),
@@ -157,12 +199,23 @@ class PrefillModel:
     def _atoms(
         self, *, workers: int, arrival_rate_rps: float, ca2: float
     ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
-        """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate."""
+        """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
+
+        Three groups per class: served alone (probability (1 - P_w)^2), served alone
+        but with the last iteration filled by queued work ((1 - P_w) * P_w), and
+        queued (P_w; plus the exponential conditional wait).
+        """
         tail = self.wait_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
         pw = tail.wait_probability
-        values = np.concatenate([self.service_s, self.waited_base_s + pw * self.waited_per_pw_s])
-        no_wait = np.concatenate([self.weights * (1.0 - pw), np.zeros_like(self.weights)])
-        with_wait = np.concatenate([np.zeros_like(self.weights), self.weights * pw])
+        w = self.weights
+        zeros = np.zeros_like(w)
+        values = np.concatenate([
+            self.service_s,
+            self.service_s + self.fill_alone_s,
+            self.waited_base_s + pw * self.waited_per_pw_s,
+        ])
+        no_wait = np.concatenate([w * (1.0 - pw) ** 2, w * (1.0 - pw) * pw, zeros])
+        with_wait = np.concatenate([zeros, zeros, w * pw])
         return values, no_wait, with_wait, tail.decay_rate_per_s
 
     def ttft_survival(

@@ -58,4 +58,6 @@ class AdvisoryActuator:
         try:
             return self._current[pool]
         except KeyError:
-            raise ActuatorError(f"advisory actuator: no replicas given for pool {pool.value}") from None
+            raise ActuatorError(
+                f"advisory actuator: no replicas given for pool {pool.value}"
+            ) from None
