@@ -306,9 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_profiles)
 
-    from controller import cli_simulate
+    from controller import cli_controller, cli_simulate
 
     cli_simulate.register(sub, _add_slo_args)
+    cli_controller.register(sub)
     return parser
 
 

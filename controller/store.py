@@ -52,9 +52,7 @@ class ConfigStore(Protocol):
         """The current config and its version."""
         ...
 
-    def replace(
-        self, config: ControllerConfig, *, expected_version: str | None
-    ) -> VersionedConfig:
+    def replace(self, config: ControllerConfig, *, expected_version: str | None) -> VersionedConfig:
         """Make ``config`` current and return it with its version.
 
         With ``expected_version`` the write happens only if that is still the
@@ -101,9 +99,7 @@ class _LockedStore:
         with self._lock:
             return self._current
 
-    def replace(
-        self, config: ControllerConfig, *, expected_version: str | None
-    ) -> VersionedConfig:
+    def replace(self, config: ControllerConfig, *, expected_version: str | None) -> VersionedConfig:
         with self._lock:
             current = self._current
             if expected_version is not None and expected_version != current.version:
@@ -148,12 +144,11 @@ class FileConfigStore(_LockedStore):
         self.path = Path(path)
         if self.path.exists():
             config = _read(self.path)
-            super().__init__(config)
         else:
             config = ControllerConfig()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _write_atomically(self.path, config)
-            super().__init__(config)
+        super().__init__(config)
 
     def _persist(self, config: ControllerConfig) -> None:
         _write_atomically(self.path, config)

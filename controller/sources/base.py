@@ -26,7 +26,7 @@ class ObservationSource(Protocol):
         ...
 
 
-class MeasurementUnavailable(Exception):  # noqa: N818 - a state, not a program error
+class MeasurementUnavailable(Exception):
     """One measurement could not be made this tick; its field becomes ``None``.
 
     The message says why in a few stable words ("empty result", "timed out",

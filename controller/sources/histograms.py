@@ -60,9 +60,11 @@ def _quantiles(bounds: FloatArray, counts: FloatArray, qs: FloatArray) -> FloatA
     width = counts[b] - below
     with np.errstate(divide="ignore", invalid="ignore"):
         inside = np.where(width > 0, (ranks - below) / width, 0.0)
-    values = start + (end - start) * inside
+    # The clamp keeps a value at the top of its bucket from rounding one ulp above it.
+    values = np.minimum(start + (end - start) * inside, end)
     values = np.where((b == 0) & (bounds[0] <= 0), bounds[0], values)
-    return np.where(in_top, bounds[last - 1], values)
+    result: FloatArray = np.where(in_top, bounds[last - 1], values)
+    return result
 
 
 def histogram_quantile(q: float, buckets: Iterable[Bucket]) -> float | None:

@@ -1,0 +1,233 @@
+"""`sara controller`: the control loop with its REST API, on this machine or Kubernetes.
+
+    sara controller --actuator advisory --metrics-source prometheus http://127.0.0.1:9090
+    sara controller --actuator local --metrics-source scrape http://127.0.0.1:8000 \\
+        --prefill-command "python -m workers.prefill --port {port}" \\
+        --decode-command "python -m workers.decode --port {port}"
+    sara controller --actuator kubernetes --namespace llm --prefill-deployment prefill \\
+        --decode-deployment decode --metrics-source prometheus http://prometheus:9090
+
+The config lives in ``STATE_DIR/config.json`` (the document ``GET /v1/config``
+returns); ``--config FILE`` seeds it when the state directory has none yet, so REST
+edits survive restarts. The policy state lives in ``STATE_DIR/state.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from controller import cli
+from controller.actuator import Actuator, Pool
+from controller.config import ConfigError, ControllerConfig
+from controller.loop import ControlLoop
+from controller.metrics import ControllerMetrics
+from controller.sources.base import ObservationSource
+from controller.store import FileConfigStore
+
+CONFIG_FILE = "config.json"
+
+
+def _parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not (0 < int(port) < 65536):
+        raise cli.UsageError(f"--listen: expected HOST:PORT, got {value!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def _store(args: argparse.Namespace) -> FileConfigStore:
+    state_dir = Path(args.state_dir)
+    path = state_dir / CONFIG_FILE
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        if args.config and not path.exists():
+            seed = ControllerConfig.from_dict(json.loads(Path(args.config).read_text()))
+            store = FileConfigStore(path)
+            store.replace(seed, expected_version=None)
+            return store
+        if args.config:
+            logging.getLogger("sara.controller").warning(
+                "--config %s ignored: %s already holds the config (edit it through the API)",
+                args.config,
+                path,
+            )
+        return FileConfigStore(path)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise cli.UsageError(f"--config: {exc}") from exc
+    except ConfigError as exc:
+        raise cli.UsageError(f"--config: {exc}") from exc
+
+
+def _source(args: argparse.Namespace, config: ControllerConfig) -> ObservationSource:
+    kind, *targets = args.metrics_source
+    if kind == "prometheus" and len(targets) == 1:
+        from controller.sources.prometheus import PrometheusSource
+
+        return PrometheusSource(
+            targets[0], window_s=config.window_s, burst_window_s=config.burst_window_s
+        )
+    if kind == "scrape" and targets:
+        from controller.sources.scrape import ScrapeSource
+
+        urls = [u for t in targets for u in t.split(",") if u]
+        return ScrapeSource(
+            urls, window_s=config.window_s, burst_window_s=config.burst_window_s, clock=time.time
+        )
+    raise cli.UsageError(
+        "--metrics-source: expected 'prometheus URL' or 'scrape URL[,URL...]', "
+        f"got {' '.join(args.metrics_source)!r}"
+    )
+
+
+def _actuator(args: argparse.Namespace) -> Actuator:
+    if args.actuator == "advisory":
+        from controller.actuators.advisory import AdvisoryActuator
+
+        return AdvisoryActuator(
+            {Pool.PREFILL: args.initial_prefill, Pool.DECODE: args.initial_decode}
+        )
+    if args.actuator == "local":
+        from controller.actuators.local import LocalProcessActuator
+
+        if not args.prefill_command or not args.decode_command:
+            raise cli.UsageError(
+                "--prefill-command: the local actuator needs --prefill-command and --decode-command"
+            )
+        try:
+            return LocalProcessActuator(
+                {
+                    Pool.PREFILL: shlex.split(args.prefill_command),
+                    Pool.DECODE: shlex.split(args.decode_command),
+                },
+                log_dir=Path(args.state_dir) / "logs",
+            )
+        except ValueError as exc:
+            raise cli.UsageError(f"--prefill-command: {exc}") from exc
+    if args.actuator == "kubernetes":
+        from controller.actuators.kubernetes import KubernetesActuator
+
+        if not (args.namespace and args.prefill_deployment and args.decode_deployment):
+            raise cli.UsageError(
+                "--namespace: the kubernetes actuator needs --namespace, "
+                "--prefill-deployment and --decode-deployment"
+            )
+        return KubernetesActuator.from_environment(
+            namespace=args.namespace,
+            deployments={
+                Pool.PREFILL: args.prefill_deployment,
+                Pool.DECODE: args.decode_deployment,
+            },
+            kubeconfig=args.kubeconfig,
+        )
+    raise cli.UsageError(f"--actuator: unknown actuator {args.actuator!r}")
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from controller.api import create_app, load_api_token
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    host, port = _parse_listen(args.listen)
+    store = _store(args)
+    config = store.load().config
+    source = _source(args, config)
+    actuator = _actuator(args)
+    try:
+        token = load_api_token(file=args.api_token_file)
+    except (OSError, ValueError) as exc:
+        raise cli.UsageError(f"--api-token-file: {exc}") from exc
+    metrics = ControllerMetrics()
+    loop = ControlLoop(
+        store=store,
+        source=source,
+        actuator=actuator,
+        metrics=metrics,
+        state_dir=Path(args.state_dir),
+    )
+    if args.once:
+        record = loop.tick()
+        print(json.dumps(record.as_dict(), indent=2, default=str))
+        _close(actuator)
+        return 0 if record.error is None else 1
+    app = create_app(
+        store=store,
+        status=loop.status,
+        decisions=loop.decisions,
+        ready=loop.ready,
+        metrics=metrics.exposition,
+        api_token=token,
+    )
+    stop = threading.Event()
+    worker = threading.Thread(target=loop.run, args=(stop,), name="sara-control-loop", daemon=True)
+    worker.start()
+    scrape = getattr(source, "scrape", None)
+    if callable(scrape):
+        # The scrape source needs snapshots between ticks (about one a second) for the
+        # burst window and the inter-arrival SCV; Prometheus keeps its own history.
+        threading.Thread(
+            target=_scrape_every, args=(scrape, stop, 1.0), name="sara-scrape", daemon=True
+        ).start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+        _close(actuator)
+    return 0
+
+
+def _scrape_every(scrape: Any, stop: threading.Event, period_s: float) -> None:
+    while not stop.wait(period_s):
+        scrape()
+
+
+def _close(actuator: Any) -> None:
+    close = getattr(actuator, "close", None)
+    if callable(close):
+        close()
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("controller", help="run the control loop with its REST API")
+    p.add_argument("--config", metavar="FILE", help="config JSON that seeds the state dir")
+    p.add_argument(
+        "--state-dir",
+        default=".sara",
+        metavar="DIR",
+        help="where config.json, state.json and worker logs live (default .sara)",
+    )
+    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT")
+    p.add_argument("--actuator", choices=("local", "kubernetes", "advisory"), default="advisory")
+    p.add_argument(
+        "--metrics-source",
+        nargs="+",
+        default=["prometheus", "http://127.0.0.1:9090"],
+        metavar="KIND",
+        help="'prometheus URL' or 'scrape URL[,URL...]'",
+    )
+    p.add_argument(
+        "--prefill-command",
+        help="local: command template of a prefill worker "
+        "({index}, {pool}, {port} are substituted)",
+    )
+    p.add_argument("--decode-command", help="local: command template of a decode worker")
+    p.add_argument("--namespace", help="kubernetes: namespace of the Deployments")
+    p.add_argument("--prefill-deployment", help="kubernetes: the prefill Deployment")
+    p.add_argument("--decode-deployment", help="kubernetes: the decode Deployment")
+    p.add_argument(
+        "--kubeconfig",
+        help="kubernetes: kubeconfig (default: in-cluster, then $KUBECONFIG / ~/.kube/config)",
+    )
+    p.add_argument("--initial-prefill", type=int, default=1, help="advisory: current prefill")
+    p.add_argument("--initial-decode", type=int, default=1, help="advisory: current decode")
+    p.add_argument("--api-token-file", help="bearer token for mutations (else $SARA_API_TOKEN)")
+    p.add_argument("--once", action="store_true", help="run one tick, print it, exit")
+    p.set_defaults(func=cmd_controller)

@@ -1,0 +1,145 @@
+"""Counters: reset-corrected increases and the inter-arrival SCV (index of dispersion).
+
+The SCV estimates are checked on simulated arrival processes whose ca² is known in
+closed form (Poisson: 1; gamma renewal with shape k: 1/k; evenly spaced: 0), within
+a few standard errors of the estimator (about ca² · sqrt(2 / intervals)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from controller.sources.counters import (
+    CounterSample,
+    corrected_increase,
+    dispersion_index,
+    interarrival_scv,
+)
+
+
+@pytest.mark.parametrize(
+    ("values", "increase"),
+    [
+        ([], 0.0),
+        ([5.0], 0.0),
+        ([1.0, 2.0, 3.0], 2.0),
+        ([4.0, 4.0], 0.0),
+        ([10.0, 15.0, 3.0, 8.0], 13.0),  # restart after 15: 5 + 3 + 5
+        ([10.0, 0.0], 0.0),  # restarted with nothing counted yet
+    ],
+)
+def test_the_increase_counts_a_drop_as_a_restart(values: list[float], increase: float) -> None:
+    assert corrected_increase(values) == increase
+
+
+def test_with_equal_intervals_the_dispersion_is_variance_over_mean() -> None:
+    counts = [12.0, 7.0, 30.0, 1.0, 9.0]
+    expected = np.var(counts, ddof=1) / np.mean(counts)
+    assert dispersion_index(counts, [5.0] * 5) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("counts", "durations"),
+    [
+        ([1.0, 2.0], [1.0, 1.0]),  # fewer than three intervals
+        ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0]),  # no arrivals
+        ([1.0, 2.0, 3.0], [0.0, 0.0, 1.0]),  # empty intervals are dropped
+        ([1.0, math.nan, 3.0], [1.0, 1.0, 1.0]),
+    ],
+)
+def test_the_dispersion_is_none_without_enough_data(
+    counts: list[float], durations: list[float]
+) -> None:
+    assert dispersion_index(counts, durations) is None
+
+
+def test_counts_and_durations_must_pair_up() -> None:
+    with pytest.raises(ValueError, match=r"^durations_s:"):
+        dispersion_index([1.0, 2.0, 3.0], [1.0, 1.0])
+
+
+def scraped(
+    arrivals: npt.NDArray[np.float64], *, every_s: float, until_s: float, phase_s: float = 0.0
+) -> list[CounterSample]:
+    """A counter of ``arrivals`` read every ``every_s`` seconds."""
+    times = np.arange(phase_s, until_s, every_s)
+    counts = np.searchsorted(arrivals, times, side="right")
+    return [(float(t), float(c)) for t, c in zip(times, counts, strict=True)]
+
+
+def renewal(gaps: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    arrivals: npt.NDArray[np.float64] = np.cumsum(gaps)
+    return arrivals
+
+
+RATE_RPS = 20.0
+DURATION_S = 10_000.0
+
+
+def within_standard_errors(estimate: float | None, truth: float, intervals: int) -> None:
+    assert estimate is not None
+    standard_error = max(truth, 0.05) * math.sqrt(2.0 / intervals)
+    assert abs(estimate - truth) < 4 * standard_error, (estimate, truth)
+
+
+@pytest.mark.parametrize(
+    ("shape", "scrape_s", "step_s"),
+    [
+        (1.0, 1.0, 5.0),  # Poisson
+        (1.0, 2.0, 5.0),  # a step that is not a multiple of the scrape interval
+        (0.25, 1.0, 20.0),  # bursty: ca² = 4, long sub-windows
+        (4.0, 1.0, 20.0),  # smoother than Poisson: ca² = 0.25
+    ],
+)
+def test_gamma_renewal_arrivals_give_their_ca2(
+    shape: float, scrape_s: float, step_s: float
+) -> None:
+    rng = np.random.default_rng(7)
+    n = int(RATE_RPS * DURATION_S * 1.2)
+    arrivals = renewal(rng.gamma(shape, 1.0 / (shape * RATE_RPS), size=n))
+    samples = scraped(arrivals, every_s=scrape_s, until_s=DURATION_S)
+    estimate = interarrival_scv([samples], step_s=step_s)
+    within_standard_errors(estimate, 1.0 / shape, int(DURATION_S / step_s))
+
+
+def test_evenly_spaced_arrivals_have_no_dispersion() -> None:
+    arrivals = renewal(np.full(2000, 0.05))  # 20 per second, exactly
+    samples = scraped(arrivals, every_s=1.0, until_s=90.0, phase_s=0.025)
+    assert interarrival_scv([samples], step_s=5.0) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_two_routers_read_at_different_moments_sum_to_the_whole_stream() -> None:
+    rng = np.random.default_rng(11)
+    arrivals = renewal(rng.exponential(1.0 / RATE_RPS, size=int(RATE_RPS * DURATION_S * 1.2)))
+    to_first = rng.random(len(arrivals)) < 0.5
+    series = [
+        scraped(arrivals[to_first], every_s=1.0, until_s=DURATION_S, phase_s=0.3),
+        scraped(arrivals[~to_first], every_s=1.0, until_s=DURATION_S, phase_s=0.7),
+    ]
+    within_standard_errors(interarrival_scv(series, step_s=5.0), 1.0, int(DURATION_S / 5))
+
+
+def test_a_restart_does_not_change_the_estimate() -> None:
+    rng = np.random.default_rng(3)
+    arrivals = renewal(rng.exponential(1.0 / RATE_RPS, size=4000))
+    samples = scraped(arrivals, every_s=1.0, until_s=150.0)
+    # The process restarts just after the reading at 60 s: later readings count from 0.
+    at_restart = dict(samples)[60.0]
+    restarted = [(t, v if t <= 60.0 else v - at_restart) for t, v in samples]
+    assert interarrival_scv([restarted], step_s=5.0) == pytest.approx(
+        interarrival_scv([samples], step_s=5.0), rel=1e-12
+    )
+
+
+def test_the_scv_is_none_with_too_short_a_history_or_no_arrivals() -> None:
+    short = [(0.0, 0.0), (1.0, 5.0), (2.0, 9.0)]
+    assert interarrival_scv([short], step_s=1.0) is None  # two sub-windows
+    idle = [(float(t), 42.0) for t in range(60)]
+    assert interarrival_scv([idle], step_s=5.0) is None
+    assert interarrival_scv([], step_s=5.0) is None
+    with pytest.raises(ValueError, match=r"^step_s:"):
+        interarrival_scv([idle], step_s=0.0)
