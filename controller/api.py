@@ -218,7 +218,8 @@ class ConfigDocument(BaseModel):
     gpu_budget: int | None = Field(
         default=_D.gpu_budget,
         ge=1,
-        description="Workers both pools may use together; null: unlimited. At least "
+        description="GPUs both pools may use together (a worker uses the profile's "
+        "tensor-parallel degree of GPUs); null: unlimited. At least "
         "prefill.min_replicas + decode.min_replicas.",
     )
     calibration: CalibrationModel = Field(

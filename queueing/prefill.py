@@ -92,7 +92,16 @@ def _shared_iteration_terms(
     rest = lengths[:, None] - first
     iterations = np.ceil(rest / tau - 1e-12)
     pairs_left = lengths[:, None] * (lengths[:, None] + 1.0) / 2.0 - first * (first + 1.0) / 2.0
-    shared_base = iterations * profile.t0_s + profile.t_tok_s * rest + profile.t_attn_s * pairs_left
+    # The shared iteration itself (full: a + first tokens) is still ahead of the
+    # queued prompt when the worker picks it, so it counts towards its first token.
+    shared_iteration = profile.t0_s + profile.t_tok_s * (ahead + first)
+    shared_base = (
+        shared_iteration
+        + iterations * profile.t0_s
+        + profile.t_tok_s * rest
+        + profile.t_attn_s * pairs_left
+        + profile.t_attn_s * first * (first + 1.0) / 2.0
+    )
     shared_fill = profile.t_tok_s * (iterations * tau - rest)
     waited_base: FloatArray = (1.0 - p_multi) * service + p_multi * shared_base.mean(axis=1)
     waited_per_pw: FloatArray = (1.0 - p_multi) * fresh_fill + p_multi * shared_fill.mean(axis=1)

@@ -14,27 +14,27 @@ from typing import Any
 import hypothesis
 import pytest
 import schemathesis
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
 
-# Starlette's TestClient warns that it will move from httpx to httpx2; nothing to act on here.
-warnings.filterwarnings("ignore", message=".*httpx2.*")
-
-from fastapi import FastAPI  # noqa: E402
-from fastapi.testclient import TestClient  # noqa: E402
-from pydantic import BaseModel, ValidationError  # noqa: E402
-
-from controller.api import (  # noqa: E402
+from controller.api import (
     ConfigDocument,
     config_fields_markdown,
     create_app,
     load_api_token,
 )
-from controller.config import ConfigError, ControllerConfig  # noqa: E402
-from controller.store import (  # noqa: E402
+from controller.config import ConfigError, ControllerConfig
+from controller.store import (
     ConfigStore,
     FileConfigStore,
     MemoryConfigStore,
     VersionedConfig,
 )
+
+with warnings.catch_warnings():
+    # Starlette's TestClient says it will move from httpx to httpx2: nothing to act on here.
+    warnings.filterwarnings("ignore", message=".*httpx2.*")
+    from fastapi.testclient import TestClient
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
