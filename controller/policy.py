@@ -201,7 +201,11 @@ class Decision:
             return Reason.METRICS_STALE
         verdict = Reason.NO_CHANGE
         for entry in self.reasons:
-            if entry.stage is Stage.ACTUATE and entry.pool in (pool, None):
+            if (
+                entry.stage is Stage.ACTUATE
+                and entry.pool in (pool, None)
+                and entry.reason is not Reason.ADVISORY  # the mode, not the outcome
+            ):
                 verdict = entry.reason
         if verdict is not Reason.NO_CHANGE:
             return verdict
@@ -396,6 +400,14 @@ def calibrate(
         ratio = seen / predicted
         errors[pool] = ratio - 1.0
         if not cal.enabled:
+            entries.append(
+                ReasonEntry(
+                    stage=Stage.CALIBRATE,
+                    reason=Reason.CALIBRATION_SKIPPED,
+                    pool=pool,
+                    detail=f"observed/predicted P99 {ratio:.3f}; calibration is disabled",
+                )
+            )
             continue
         updated = (1.0 - cal.ema_weight) * pstate.calibration + cal.ema_weight * ratio
         factors[pool] = min(cal.max_factor, max(cal.min_factor, updated))
@@ -817,6 +829,15 @@ def decide(
         reasons.append(ReasonEntry(stage=Stage.ACTUATE, reason=verdict, pool=pool, detail=detail))
         final_states[pool] = pstate
 
+    if advisory:
+        reasons.append(
+            ReasonEntry(
+                stage=Stage.ACTUATE,
+                reason=Reason.ADVISORY,
+                pool=None,
+                detail="advisory mode: decided and published, not applied",
+            )
+        )
     # Predictions at the *current* replicas and raw load feed next tick's calibration;
     # predictions at the targets and planning rate are what the status shows (the same
     # evaluation when nothing changes, which is most ticks).

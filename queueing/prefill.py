@@ -191,39 +191,52 @@ class PrefillModel:
 
     def wait_tail(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> WaitTail:
         """Tail of the queueing wait; raises ``UnstableQueueError`` when overloaded."""
+        return self._tail_and_busy(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)[0]
+
+    def _tail_and_busy(
+        self, *, workers: int, arrival_rate_rps: float, ca2: float
+    ) -> tuple[WaitTail, float]:
         if not self.is_stable(workers=workers, arrival_rate_rps=arrival_rate_rps):
             raise UnstableQueueError(
                 f"prefill_workers: {workers} workers cannot serve "
                 f"{arrival_rate_rps:.4g} req/s of {self.packed_service_s:.4g} s prompts"
             )
         busy_s = self.busy_service_s(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
-        return ggc_wait_tail(
+        tail = ggc_wait_tail(
             arrival_rate_rps=arrival_rate_rps,
             mean_service_s=busy_s,
             servers=workers,
             ca2=ca2,
             cs2=self.service_scv,
         )
+        return tail, busy_s
 
     def _atoms(
         self, *, workers: int, arrival_rate_rps: float, ca2: float
     ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
         """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
 
-        Three groups per class: served alone (probability (1 - P_w)^2), served alone
-        but with the last iteration filled by queued work ((1 - P_w) * P_w), and
-        queued (P_w; plus the exponential conditional wait).
+        Three groups per class: served alone, served alone but with the last iteration
+        filled by queued work, and queued (probability P_w; plus the exponential
+        conditional wait). A lone prompt's last iteration is filled when work is
+        queued at that moment: probability P_w * rho, the M/M/c chance of a
+        non-empty queue (waiting work exists only while every worker is busy).
         """
-        tail = self.wait_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
+        tail, busy_s = self._tail_and_busy(
+            workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+        )
         pw = tail.wait_probability
+        filled = pw * min(1.0, arrival_rate_rps * busy_s / workers)
         w = self.weights
         zeros = np.zeros_like(w)
-        values = np.concatenate([
-            self.service_s,
-            self.service_s + self.fill_alone_s,
-            self.waited_base_s + pw * self.waited_per_pw_s,
-        ])
-        no_wait = np.concatenate([w * (1.0 - pw) ** 2, w * (1.0 - pw) * pw, zeros])
+        values = np.concatenate(
+            [
+                self.service_s,
+                self.service_s + self.fill_alone_s,
+                self.waited_base_s + pw * self.waited_per_pw_s,
+            ]
+        )
+        no_wait = np.concatenate([w * (1.0 - pw) * (1.0 - filled), w * (1.0 - pw) * filled, zeros])
         with_wait = np.concatenate([zeros, zeros, w * pw])
         return values, no_wait, with_wait, tail.decay_rate_per_s
 
@@ -256,9 +269,7 @@ class PrefillModel:
         return quantile_of_sum(self.service_s, self.weights, no_wait, quantile)
 
 
-def survival_of_sum(
-    values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float
-) -> float:
+def survival_of_sum(values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float) -> float:
     """P(W + S > x) for S on the sorted atoms ``values_s`` and W with ``tail``."""
     above = values_s > x_s
     mass_above = float(weights[above].sum())

@@ -302,3 +302,95 @@ def test_ten_minutes_of_missing_metrics_never_scale_down() -> None:
     assert gap and all(d.prefill_target == d.prefill_current for d in gap)
     assert all(d.decode_target == d.decode_current for d in gap)
     assert all(d.reasons[0].reason is Reason.METRICS_STALE for d in gap)
+
+
+# -- every reason has a scenario that produces it ----------------------------------------
+
+
+def _reasons_of(d: Decision) -> set[Reason]:
+    return {r.reason for r in d.reasons}
+
+
+def _scenarios() -> dict[Reason, Decision]:
+    base = ControllerState()
+    up = decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0)
+    settled = up.state
+    out: dict[Reason, Decision] = {
+        Reason.METRICS_STALE: decide(observation(0.0, None, 2, 2), base, CONFIG, now_s=0.0),
+        Reason.METRICS_OK: up,
+        Reason.RATE_INITIALISED: up,
+        Reason.LENGTHS_UPDATED: up,
+        Reason.RECOMMENDED: up,
+        Reason.SCALE_UP: up,
+        Reason.RATE_LIMITED: up,  # 1 -> many is limited to 1 -> 2
+        Reason.RATE_SMOOTHED: decide(observation(30.0, 40.0, 2, 2), settled, CONFIG, now_s=30.0),
+        Reason.BURST_DETECTED: decide(
+            observation(30.0, 40.0, 2, 2, burst=200.0), settled, CONFIG, now_s=30.0
+        ),
+        Reason.COOLDOWN_UP: decide(observation(10.0, 40.0, 2, 2), settled, CONFIG, now_s=10.0),
+        Reason.ADVISORY: decide(
+            observation(0.0, 40.0, 1, 1), base, replace(CONFIG, mode=Mode.ADVISORY), now_s=0.0
+        ),
+        Reason.SLO_INFEASIBLE: decide(
+            observation(0.0, 5.0, 1, 1),
+            base,
+            replace(CONFIG, slo=SloConfig(ttft_p99_s=0.01, tpot_p99_s=0.1)),
+            now_s=0.0,
+        ),
+        Reason.CLAMPED_MIN: decide(
+            observation(0.0, 0.5, 2, 2),
+            base,
+            replace(CONFIG, prefill=PoolLimits(min_replicas=3, max_replicas=8)),
+            now_s=0.0,
+        ),
+        Reason.CLAMPED_MAX: decide(
+            observation(0.0, 400.0, 6, 6),
+            base,
+            replace(CONFIG, prefill=PoolLimits(min_replicas=1, max_replicas=4)),
+            now_s=0.0,
+        ),
+        Reason.GPU_BUDGET: decide(
+            observation(0.0, 60.0, 3, 3), base, replace(CONFIG, gpu_budget=24), now_s=0.0
+        ),
+    }
+    # A pool far above need, long after its last change: stabilise, then scale down.
+    idle = ControllerState(smoothed_rate_rps=2.0, lengths=LENGTHS)
+    first = decide(observation(0.0, 2.0, 8, 8), idle, CONFIG, now_s=0.0)
+    out[Reason.STABILISING] = first
+    out[Reason.SCALE_DOWN_SAFE] = first
+    later = decide(observation(400.0, 2.0, 8, 8), first.state, CONFIG, now_s=400.0)
+    out[Reason.STABILISED] = later
+    out[Reason.SCALE_DOWN] = later
+    out[Reason.COOLDOWN_DOWN] = decide(
+        observation(430.0, 0.5, later.prefill_target, later.decode_target),
+        later.state,
+        replace(CONFIG, scale_down_stabilisation_s=0.0),
+        now_s=430.0,
+    )
+    out[Reason.WITHIN_DEAD_BAND] = decide(
+        observation(0.0, 40.0, 20, 20), base, replace(CONFIG, dead_band=0.99), now_s=0.0
+    )
+    out[Reason.NO_CHANGE] = out[Reason.WITHIN_DEAD_BAND]
+    # Calibration: the observed P99 of the allocation predicted last tick.
+    steady = decide(observation(0.0, 8.0, 2, 1), base, CONFIG, now_s=0.0)
+    predicted = steady.state.prefill.predicted_p99_s or 1.0
+    seen = observation(30.0, 8.0, 2, 1, ttft=2 * predicted)
+    out[Reason.CALIBRATED] = decide(seen, steady.state, CONFIG, now_s=30.0)
+    off = replace(CONFIG, calibration=replace(CONFIG.calibration, enabled=False))
+    out[Reason.CALIBRATION_SKIPPED] = decide(seen, steady.state, off, now_s=30.0)
+    # Smoothed rate low, raw rate high: removing workers is unsafe at the current load.
+    need = decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0).recommended or (1, 1)
+    low = ControllerState(smoothed_rate_rps=0.5, lengths=LENGTHS)
+    out[Reason.SCALE_DOWN_UNSAFE] = decide(
+        observation(0.0, 40.0, *need), low, replace(CONFIG, ema_weight=0.01), now_s=0.0
+    )
+    return out
+
+
+SCENARIOS = _scenarios()
+
+
+@pytest.mark.parametrize("reason", list(Reason), ids=lambda r: r.value)
+def test_every_reason_is_produced_by_its_scenario(reason: Reason) -> None:
+    assert reason in SCENARIOS, f"no scenario for {reason}"
+    assert reason in _reasons_of(SCENARIOS[reason])
