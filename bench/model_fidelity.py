@@ -151,7 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and rows")
     parser.add_argument("--requests", type=int, default=15_000, help="per replication")
-    parser.add_argument("--replications", type=int, default=3)
+    parser.add_argument("--replications", type=int, default=6)
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
     requests = 6_000 if args.quick else args.requests
