@@ -23,14 +23,22 @@ P_w is taken at the packed time (one G/G/c evaluation; the whole correction is a
 most one t0 per prompt). Stability needs only the packed time:
 lambda * E[S_packed] < N.
 
-A prompt that waited is picked up mid-stream, so its own span is longer than its
-solo service: it shares its first iteration with the previous prompt's last chunk
-and, when work is queued, its last iteration with the next prompt's first chunk.
-Over a uniformly placed start the span averages L / tau + 1 full iterations holding
-L + tau / 2 * (1 + P_w) tokens. So with probability 1 - P_w a prompt has TTFT = S,
-and with probability P_w TTFT = W' + S_waited, W' the conditional wait
-(exponential), independent of the prompt's own length (FCFS). The P99 is the
-quantile of that mixture, computed exactly — not the sum of two P99s.
+Sharing iterations changes a prompt's own time too (``_shared_iteration_terms``):
+
+* a queued prompt is picked up by the worker that frees up first. If that worker's
+  previous prompt needed several chunks (probability p_multi, the share of prompts
+  longer than tau), the queued prompt rides in the iteration of that prompt's last
+  chunk (a tokens, from the empirical last-chunk distribution) and finishes
+  ceil((a + L) / tau) iterations later; otherwise it starts a fresh iteration;
+* when work is still queued at a prompt's last chunk, the rest of that iteration is
+  filled by the next prompt (probability P_w for a queued prompt, P_w * rho for one
+  that found a worker idle — work queues only while every worker is busy).
+
+So TTFT is S (alone), S + fill (alone, last iteration filled), or W' + S_waited
+(queued: W' the conditional wait, exponential, independent of the prompt's own
+length under FCFS). The P99 is the quantile of that mixture, computed exactly —
+not the sum of two P99s. The measured error against the simulator is in
+``docs/model.md``.
 """
 
 from __future__ import annotations
@@ -64,17 +72,17 @@ def prefill_service_s(
 def _shared_iteration_terms(
     profile: IterationProfile, lengths: FloatArray, service: FloatArray, token_budget: int
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
-    """Per prompt: what a queued prompt adds after its wait (without and per unit of
-    P_w), and the fill of a lone multi-chunk prompt's last iteration.
+    """Per prompt: the time from pick-up to first token of a queued prompt (without and
+    per unit of P_w), and the fill of a lone multi-chunk prompt's last iteration.
 
     The worker that frees up for a queued prompt is either done with its previous
     prompt (probability 1 - p_multi: the queued prompt starts a fresh iteration and
     takes its solo time) or scheduling that prompt's last chunk of ``a`` tokens
     (p_multi = the share of prompts longer than tau; ``a`` follows the empirical
-    last-chunk distribution). In the second case the queue's view of the wait ends
-    with that shared iteration, in which the queued prompt already gets tau - a of its
-    tokens; only the rest remains. Either way, when work is still queued, its last
-    iteration is filled by the next prompt.
+    last-chunk distribution at 8 equal-mass points). In the second case the queued
+    prompt gets tau - a tokens into that shared, full iteration and the rest in the
+    iterations after it. Either way, when work is still queued, its last iteration
+    is filled by the next prompt.
     """
     tau = float(token_budget)
     multi = lengths > tau
