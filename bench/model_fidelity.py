@@ -168,8 +168,8 @@ def main() -> None:
         rows = list(pool.map(run_row, jobs))
 
     print(
-        f"prefill workers {PREFILL_WORKERS}; {requests} requests per row; errors are "
-        "predicted / simulated - 1"
+        f"prefill workers {PREFILL_WORKERS}; {replications} replications x {requests} "
+        "requests per row; errors are predicted / mean simulated - 1"
     )
     header = (
         f"{'mix':<6}{'profile':<26}{'ca2':>4}{'u':>6}{'u_sim':>7}{'M':>4} "

@@ -38,7 +38,7 @@ of its reserved blocks stay inside those limits; the solver adds workers until t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import special
@@ -80,6 +80,7 @@ class DecodeModel:
     t0_s: float
     max_batch: int
     kv_capacity_blocks: int
+    _floors: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -221,8 +222,13 @@ class DecodeModel:
 
     def floor_quantile_s(self, quantile: float) -> float:
         """The TPOT quantile with unlimited workers (every batch holds one request)."""
-        mean, sd = self._floor_moments()
-        return _mixture_quantile(self.weights, mean, sd, quantile)
+        # Load-independent, so computed once per quantile (the solver asks every solve).
+        cached = self._floors.get(quantile)
+        if cached is None:
+            mean, sd = self._floor_moments()
+            cached = _mixture_quantile(self.weights, mean, sd, quantile)
+            self._floors[quantile] = cached
+        return cached
 
 
 def _life_averaging(class_steps: FloatArray, steps: FloatArray) -> FloatArray:

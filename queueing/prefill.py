@@ -44,7 +44,7 @@ not the sum of two P99s. The measured error against the simulator is in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -138,6 +138,7 @@ class PrefillModel:
     packed_service_s: float
     service_scv: float
     token_budget: int
+    _floors: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -273,8 +274,13 @@ class PrefillModel:
 
     def floor_quantile_s(self, quantile: float) -> float:
         """The TTFT quantile with unlimited workers (no wait): the service quantile."""
-        no_wait = WaitTail(wait_probability=0.0, decay_rate_per_s=1.0)
-        return quantile_of_sum(self.service_s, self.weights, no_wait, quantile)
+        # Load-independent, so computed once per quantile (the solver asks every solve).
+        cached = self._floors.get(quantile)
+        if cached is None:
+            no_wait = WaitTail(wait_probability=0.0, decay_rate_per_s=1.0)
+            cached = quantile_of_sum(self.service_s, self.weights, no_wait, quantile)
+            self._floors[quantile] = cached
+        return cached
 
 
 def survival_of_sum(values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float) -> float:
