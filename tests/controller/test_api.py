@@ -623,6 +623,7 @@ def test_the_openapi_schema_describes_every_config_field_with_its_default(
 
 def test_docs_api_md_carries_the_generated_config_table() -> None:
     assert config_fields_markdown() in (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    assert config_fields_markdown() in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 # -- fuzzing from the app's own OpenAPI -----------------------------------------------------
