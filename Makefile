@@ -12,7 +12,7 @@ $(BIN)/python:
 venv: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,workers]'
 	touch $@
 
 demo: venv

@@ -306,10 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_profiles)
 
-    from controller import cli_controller, cli_simulate
+    # Each subcommand module imports its heavy libraries (torch, redis) only when run.
+    from controller import cli_controller, cli_load, cli_profile, cli_simulate
 
     cli_simulate.register(sub, _add_slo_args)
     cli_controller.register(sub)
+    cli_profile.register(sub)
+    cli_load.register(sub)
     return parser
 
 

@@ -1,0 +1,523 @@
+"""The router over a real redis-server, served by uvicorn on loopback.
+
+The worker side is ``ProtocolWorker`` (tests/workers/conftest.py): a small loop that
+consumes the prefill stream through its consumer group, publishes tokens and hands
+off to the decode stream exactly as the real prefill and decode workers do, with a
+fixed token rule (letters) instead of a model. Some tests play the worker side by
+hand with ``Streams`` to produce re-runs, gaps and stalls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.actuator import Pool
+from tests.workers.conftest import (
+    ProtocolWorker,
+    RouterFactory,
+    ServerThread,
+    byte_detokenize,
+    byte_tokenize,
+    letter,
+)
+from workers.protocol import FinishReason, PrefillRequest, Streams, TokenEvent
+from workers.redis_util import RedisServer
+from workers.router import IncrementalDetokenizer, RouterConfig
+
+Json = dict[str, Any]
+
+
+def expected_letters(prompt: list[int], n: int) -> str:
+    return "".join(chr(letter(prompt, i)) for i in range(n))
+
+
+def stream_events(url: str, body: Json, *, timeout_s: float = 10.0) -> tuple[int, list[Any]]:
+    """Status and the SSE payloads (JSON objects, and the string ``[DONE]``)."""
+    events: list[Any] = []
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=timeout_s
+    ) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return resp.status_code, [resp.json()]
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return resp.status_code, events
+
+
+def post(url: str, body: Json, *, timeout_s: float = 10.0) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics as ``name{labels}`` → value."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def error_of(resp: httpx.Response) -> Json:
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return dict(body["error"])
+
+
+@pytest.fixture
+def served(worker: ProtocolWorker, start_router: RouterFactory) -> ServerThread:
+    return start_router()
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+def test_a_streamed_completion_arrives_token_by_token_in_order_and_ends_with_done(
+    served: ServerThread,
+) -> None:
+    status, events = stream_events(served.url, {"prompt": "Hello", "max_tokens": 6})
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) == 6  # one chunk per token
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected_letters(
+        byte_tokenize("Hello"), 6
+    )
+    assert bytes(ids).decode() == expected_letters(byte_tokenize("Hello"), 6)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + ["length"]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert chunks[0]["object"] == "text_completion" and chunks[0]["model"] == "tiny"
+
+
+def test_a_plain_completion_of_token_ids_returns_the_text_and_usage(
+    served: ServerThread,
+) -> None:
+    prompt = [10, 20, 30, 40]
+    resp = post(
+        served.url,
+        {"prompt": prompt, "max_tokens": 7, "model": "tiny", "temperature": 0, "seed": 3},
+    )
+    assert resp.status_code == 200
+    body = resp.json()
+    [choice] = body["choices"]
+    assert choice["text"] == expected_letters(prompt, 7)
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}
+
+
+def test_one_token_is_enough(served: ServerThread) -> None:
+    body = post(served.url, {"prompt": "a", "max_tokens": 1}).json()
+    assert body["usage"]["completion_tokens"] == 1
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_thirty_concurrent_streams_all_complete_in_order(served: ServerThread) -> None:
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        text = ""
+        async with client.stream(
+            "POST",
+            f"{served.url}/v1/completions",
+            json={
+                "prompt": [i + 1],
+                "max_tokens": 20,
+                "stream": True,
+            },
+        ) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def all_of_them() -> list[str]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(30)))
+
+    texts = asyncio.run(all_of_them())
+    assert texts == [expected_letters([i + 1], 20) for i in range(30)]
+
+
+def test_models_healthz_and_readyz(served: ServerThread) -> None:
+    models = httpx.get(f"{served.url}/v1/models").json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 512)]
+    assert httpx.get(f"{served.url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{served.url}/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "workers": {"prefill": 1, "decode": 1}}
+
+
+def test_readyz_needs_a_live_prefill_and_a_live_decode_worker(
+    start_router: RouterFactory,
+) -> None:
+    served = start_router()
+    resp = httpx.get(f"{served.url}/readyz")
+    assert resp.status_code == 503
+    body = resp.json()
+    assert body["status"] == "not ready"
+    assert body["workers"] == {"prefill": 0, "decode": 0}
+    assert "no ready prefill or decode worker" in body["reason"]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"prompt": "x" * 500, "max_tokens": 13}, "prompt", "context_length_exceeded"),
+        ({"prompt": [1] * 512, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+        ({"prompt": "", "max_tokens": 1}, "prompt", "invalid_value"),
+        ({"prompt": [1, 256]}, "prompt", "invalid_value"),
+        ({"prompt": [1, "a"]}, "prompt", "invalid_value"),
+        ({"prompt": ["a", "b"]}, "prompt", "unsupported"),
+        ({}, "prompt", "invalid_value"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"prompt": "a", "temperature": 2.5}, "temperature", "invalid_value"),
+        ({"prompt": "a", "top_p": 0}, "top_p", "invalid_value"),
+        ({"prompt": "a", "seed": -1}, "seed", "invalid_value"),
+        ({"prompt": "a", "n": 2}, "n", "unsupported"),
+        ({"prompt": "a", "stop": ["\n"]}, "stop", "unsupported"),
+        ({"prompt": "a", "logprobs": 1}, "logprobs", "unsupported"),
+    ],
+)
+def test_a_bad_request_is_a_400_with_an_openai_error_body(
+    served: ServerThread, body: Json, param: str, code: str
+) -> None:
+    resp = post(served.url, body)
+    assert resp.status_code == 400
+    error = error_of(resp)
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    assert param in error["message"] or code == "context_length_exceeded"
+
+
+def test_the_context_error_says_how_many_tokens_were_asked_for(served: ServerThread) -> None:
+    error = error_of(post(served.url, {"prompt": "x" * 500, "max_tokens": 13}))
+    assert "512" in error["message"] and "513" in error["message"]
+
+
+def test_another_model_is_a_404(served: ServerThread) -> None:
+    resp = post(served.url, {"prompt": "a", "model": "gpt-4"})
+    assert resp.status_code == 404
+    assert error_of(resp)["code"] == "model_not_found"
+
+
+def test_a_full_queue_is_a_429_with_retry_after(
+    redis_server: RedisServer, start_router: RouterFactory, streams: Streams
+) -> None:
+    served = start_router(max_queued_requests=2, retry_after_s=3)
+    for i in range(2):  # nobody serves the queue
+        streams.enqueue_prefill(
+            PrefillRequest(
+                request_id=f"q{i}",
+                prompt_token_ids=(1,),
+                max_tokens=1,
+                arrival_s=0.0,
+                deadline_s=1e10,
+            )
+        )
+    resp = post(served.url, {"prompt": "a"})
+    assert resp.status_code == 429
+    assert resp.headers["retry-after"] == "3"
+    error = error_of(resp)
+    assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+    m = metrics(served.url)
+    assert m["sara_requests_total"] == 1  # offered load, though rejected
+    assert m['sara_request_outcomes_total{outcome="rejected"}'] == 1
+    assert m['sara_router_stream_requests{pool="prefill",state="waiting"}'] == 2
+
+
+def test_redis_down_is_a_503_at_once_and_service_resumes_when_it_returns(
+    redis_server: RedisServer, worker: ProtocolWorker, start_router: RouterFactory
+) -> None:
+    served = start_router()
+    assert post(served.url, {"prompt": "a", "max_tokens": 2}).status_code == 200
+    redis_server.kill()
+    started = time.monotonic()
+    resp = post(served.url, {"prompt": "a", "max_tokens": 2})
+    assert time.monotonic() - started < 1.0
+    assert resp.status_code == 503
+    assert resp.headers["retry-after"] == "1"
+    error = error_of(resp)
+    assert error["code"] == "redis_unavailable"
+    assert redis_server.url in error["message"]
+    assert httpx.get(f"{served.url}/readyz").status_code == 503
+    assert httpx.get(f"{served.url}/healthz").status_code == 200
+    m = metrics(served.url)  # still served, the Redis-backed gauges unknown
+    assert math.isnan(m['sara_router_live_workers{pool="prefill"}'])
+
+    redis_server.restart()  # same port, empty
+    deadline = time.monotonic() + 10
+    while True:
+        resp = post(served.url, {"prompt": "a", "max_tokens": 2})
+        if resp.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["completion_tokens"] == 2
+
+
+def test_redis_lost_mid_stream_ends_the_stream_with_an_error_event_then_done(
+    redis_server: RedisServer, start_router: RouterFactory
+) -> None:
+    slow = ProtocolWorker(redis_server.url, tpot_s=0.05, name="slow").start()
+    try:
+        served = start_router()
+        events: list[Any] = []
+        with httpx.stream(
+            "POST",
+            f"{served.url}/v1/completions",
+            json={"prompt": "a", "max_tokens": 200, "stream": True},
+            timeout=10,
+        ) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if len(events) == 2:
+                    redis_server.kill()
+    finally:
+        slow.stop()
+    assert "choices" in events[1]
+    assert events[-2]["error"]["code"] == "redis_unavailable"
+    assert events[-1] == "[DONE]"
+
+
+def test_a_request_that_times_out_is_a_504_and_leaves_nothing_queued(
+    start_router: RouterFactory, streams: Streams
+) -> None:
+    served = start_router(request_timeout_s=0.4)
+    started = time.monotonic()
+    resp = post(served.url, {"prompt": "a"})
+    assert 0.35 < time.monotonic() - started < 3
+    assert resp.status_code == 504
+    error = error_of(resp)
+    assert (error["type"], error["code"]) == ("timeout", "request_timeout")
+    assert "0.4 s" in error["message"]
+    assert streams.queue_depth(Pool.PREFILL).total == 0  # its entry was withdrawn
+    m = metrics(served.url)
+    assert m['sara_request_outcomes_total{outcome="timeout"}'] == 1
+    assert m["sara_ttft_seconds_count"] == 1  # observed at the timeout, a lower bound
+    assert m['sara_ttft_seconds_bucket{le="0.3"}'] == 0
+
+
+def test_a_streamed_request_that_times_out_ends_with_an_error_event_then_done(
+    start_router: RouterFactory, streams: Streams
+) -> None:
+    served = start_router(request_timeout_s=0.6)
+
+    def first_token_only() -> None:  # a decode pool that never answers
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            for d in streams.read_prefill("stuck", block_ms=50):
+                streams.publish_token(d.message.request_id, TokenEvent(index=0, token=104))
+                return
+
+    thread = threading.Thread(target=first_token_only)
+    thread.start()
+    status, events = stream_events(served.url, {"prompt": "a", "max_tokens": 5})
+    thread.join()
+    assert status == 200
+    assert events[0]["choices"][0]["text"] == "h"
+    assert events[1]["error"]["code"] == "request_timeout"
+    assert "1 tokens received" in events[1]["error"]["message"]
+    assert events[2:] == ["[DONE]"]
+
+
+def test_a_worker_error_is_a_500_and_a_stream_error_event(
+    redis_server: RedisServer, start_router: RouterFactory
+) -> None:
+    w = ProtocolWorker(redis_server.url, fail_token=7, name="failing").start()
+    try:
+        served = start_router()
+        resp = post(served.url, {"prompt": [7, 1]})
+        assert resp.status_code == 500
+        error = error_of(resp)
+        assert (error["type"], error["code"]) == ("server_error", "worker_error")
+        assert "simulated failure" in error["message"]
+        status, events = stream_events(served.url, {"prompt": [7, 1]})
+        assert status == 200
+        assert events[0]["error"]["code"] == "worker_error"
+        assert events[1:] == ["[DONE]"]
+        assert metrics(served.url)['sara_request_outcomes_total{outcome="error"}'] == 2
+    finally:
+        w.stop()
+
+
+def play_worker(streams: Streams, script: list[TokenEvent]) -> threading.Thread:
+    """Answer the next request with exactly these events (a hand-written worker)."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            for d in streams.read_prefill("scripted", block_ms=50):
+                streams.publish_tokens([(d.message.request_id, e) for e in script])
+                streams.ack(Pool.PREFILL, [d.entry_id])
+                return
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_tokens_republished_by_a_rerun_are_delivered_once(
+    start_router: RouterFactory, streams: Streams
+) -> None:
+    served = start_router()
+    t = [TokenEvent(index=i, token=97 + i) for i in range(3)]
+    rerun = [
+        t[0],
+        t[1],
+        t[0],
+        t[1],
+        t[2],
+        TokenEvent(index=3, token=100, finish_reason=FinishReason.STOP),
+    ]
+    thread = play_worker(streams, rerun)
+    body = post(served.url, {"prompt": "a", "max_tokens": 10}).json()
+    thread.join()
+    assert body["choices"][0]["text"] == "abcd"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_a_gap_in_the_token_stream_is_a_protocol_error(
+    start_router: RouterFactory, streams: Streams
+) -> None:
+    served = start_router()
+    thread = play_worker(streams, [TokenEvent(index=0, token=97), TokenEvent(index=2, token=98)])
+    resp = post(served.url, {"prompt": "a", "max_tokens": 10})
+    thread.join()
+    assert resp.status_code == 500
+    assert error_of(resp)["code"] == "protocol_error"
+
+
+def test_a_worker_that_overruns_max_tokens_is_cut_off(
+    start_router: RouterFactory, streams: Streams
+) -> None:
+    served = start_router()
+    thread = play_worker(streams, [TokenEvent(index=i, token=97) for i in range(5)])
+    body = post(served.url, {"prompt": "a", "max_tokens": 2}).json()
+    thread.join()
+    assert body["usage"]["completion_tokens"] == 2
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_client_that_goes_away_cancels_its_request(
+    redis_server: RedisServer, start_router: RouterFactory, streams: Streams
+) -> None:
+    slow = ProtocolWorker(redis_server.url, tpot_s=0.05, name="slow").start()
+    try:
+        served = start_router()
+        with httpx.stream(
+            "POST",
+            f"{served.url}/v1/completions",
+            json={"prompt": "a", "max_tokens": 200, "stream": True},
+            timeout=10,
+        ) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+        request_id = json.loads(first[6:])["id"]
+        deadline = time.monotonic() + 5
+        while not streams.cancelled([request_id]):
+            assert time.monotonic() < deadline, "the request was not cancelled"
+            time.sleep(0.05)
+        m = metrics(served.url)
+        assert m['sara_request_outcomes_total{outcome="cancelled"}'] == 1
+        assert m["sara_router_inflight_requests"] == 0
+    finally:
+        slow.stop()
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_the_metrics_count_requests_lengths_ttft_and_tpot(served: ServerThread) -> None:
+    prompts = [[1] * 5, [2] * 40, [3] * 300]
+    for prompt in prompts:
+        assert post(served.url, {"prompt": prompt, "max_tokens": 10}).status_code == 200
+    post(served.url, {"prompt": "a", "n": 3})  # invalid: not an arrival
+    m = metrics(served.url)
+    assert m["sara_requests_total"] == 3
+    assert m['sara_request_outcomes_total{outcome="ok"}'] == 3
+    assert m['sara_request_outcomes_total{outcome="invalid"}'] == 1
+    assert m["sara_prompt_tokens_count"] == 3
+    assert m["sara_prompt_tokens_sum"] == 345
+    assert m['sara_prompt_tokens_bucket{le="48.0"}'] == 2
+    assert m["sara_output_tokens_sum"] == 30
+    assert m["sara_ttft_seconds_count"] == 3
+    assert m["sara_tpot_seconds_count"] == 3
+    assert 0 < m["sara_ttft_seconds_sum"] < 3 * 2.0
+    assert m['sara_router_live_workers{pool="decode"}'] == 1
+
+
+def test_the_latency_buckets_reach_far_past_any_slo() -> None:
+    from workers.router_metrics import TOKEN_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S
+
+    assert TTFT_BUCKETS_S[-1] >= 60 and TPOT_BUCKETS_S[-1] >= 2 and TOKEN_BUCKETS[-1] >= 32768
+    for buckets in (TTFT_BUCKETS_S, TPOT_BUCKETS_S):
+        dense = [b for b in buckets if 0.01 <= b <= 1.0]
+        assert max(hi / lo for lo, hi in itertools.pairwise(dense)) <= 1.34
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_incremental_detokenizing_never_splits_a_character() -> None:
+    text = "héllo ✓ 日本"
+    detok = IncrementalDetokenizer(byte_detokenize)
+    deltas = [detok.add(t) for t in byte_tokenize(text)] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@given(st.text(max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_incremental_deltas_add_up_to_the_text(text: str) -> None:
+    detok = IncrementalDetokenizer(byte_detokenize)
+    deltas = [detok.add(t) for t in byte_tokenize(text)]
+    assert "".join(deltas) + detok.flush() == text
+
+
+def test_an_incomplete_character_at_the_end_is_flushed_as_is() -> None:
+    detok = IncrementalDetokenizer(byte_detokenize)
+    assert [detok.add(t) for t in [104, 0xE2, 0x9C]] == ["h", "", ""]
+    assert detok.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"redis_url": "localhost:6379"}, "redis_url"),
+        ({"max_context_tokens": 1}, "max_context_tokens"),
+        ({"max_queued_requests": 0}, "max_queued_requests"),
+        ({"max_queued_requests": 10**6}, "max_queued_requests"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"key_prefix": "a b"}, "prefix"),
+    ],
+)
+def test_an_invalid_router_config_is_refused_naming_the_field(overrides: Json, field: str) -> None:
+    settings: Json = {"redis_url": "redis://127.0.0.1:1/0", "max_context_tokens": 64, **overrides}
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(**settings)

@@ -1,0 +1,722 @@
+"""The router: an OpenAI-compatible completions API in front of the Redis data plane.
+
+``POST /v1/completions`` validates the request, tokenises a text prompt, queues a
+``PrefillRequest`` on the prefill stream (admission-limited), then reads the
+request's token stream back and answers — as server-sent events ending in
+``data: [DONE]`` with ``stream: true``, else as one JSON body — with ``usage``.
+``GET /v1/models``, ``/healthz`` (the process is up), ``/readyz`` (Redis answers
+and at least one prefill and one decode worker is live), ``/metrics``.
+
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
+
+| status | code | when |
+|---|---|---|
+| 400 | ``invalid_value``, ``context_length_exceeded``, ``unsupported`` | bad request |
+| 404 | ``model_not_found`` | ``model`` names another model |
+| 429 | ``queue_full`` (+ ``Retry-After``) | the prefill stream holds ``max_queued_requests`` |
+| 503 | ``redis_unavailable`` (+ ``Retry-After``) | Redis unreachable: at once, no retry loop |
+| 504 | ``request_timeout`` | no complete answer within ``request_timeout_s`` |
+| 500 | ``worker_error``, ``protocol_error`` | a worker failed, or broke the protocol |
+
+A streaming request that fails after its headers went out ends with an error
+event (the same body) and then ``data: [DONE]``. A client that goes away cancels
+its request (``AsyncStreams.cancel``: workers skip it).
+
+Every request gets a seed (the client's, or a fresh random one), so a request that
+a worker re-runs after another died samples the same tokens; duplicate indexes are
+dropped here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import redis
+import redis.asyncio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from controller.actuator import Pool
+from workers.protocol import (
+    MAX_STREAM_LEN,
+    AsyncStreams,
+    FinishReason,
+    KeySpace,
+    PrefillRequest,
+    ProtocolError,
+    TokenEvent,
+    connect_async,
+)
+from workers.registry import AsyncRegistry
+from workers.router_metrics import CONTENT_TYPE, Outcome, RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+Tokenize = Callable[[str], Sequence[int]]
+Detokenize = Callable[[Sequence[int]], str]
+_MAX_SEED = 2**63 - 1
+_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """How the router talks to Redis and what it admits.
+
+    ``max_context_tokens``: the model's context; prompt + ``max_tokens`` beyond it
+    is a 400. ``vocab_size``: token-id prompts must be below it (``None``: unchecked).
+    ``max_queued_requests``: admission limit on the prefill stream (waiting plus
+    being prefilled). ``request_timeout_s``: from arrival to the last token.
+    ``poll_block_ms``: one blocking read of a token stream (the timeout is checked
+    between reads). ``redis_timeout_s``: any other Redis call.
+    """
+
+    redis_url: str
+    max_context_tokens: int
+    model_name: str = "sara"
+    vocab_size: int | None = None
+    max_queued_requests: int = 1024
+    request_timeout_s: float = 300.0
+    retry_after_s: int = 1
+    redis_timeout_s: float = 2.0
+    poll_block_ms: int = 500
+    max_redis_connections: int = 512
+    key_prefix: str = "sara"
+    default_max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: expected redis://HOST:PORT[/DB], got {self.redis_url!r}")
+        if not self.model_name:
+            raise ValueError("model_name: must not be empty")
+        for name, low in (
+            ("max_context_tokens", 2),
+            ("max_queued_requests", 1),
+            ("retry_after_s", 1),
+            ("poll_block_ms", 1),
+            ("max_redis_connections", 1),
+            ("default_max_tokens", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if self.vocab_size is not None and not (
+            isinstance(self.vocab_size, int) and self.vocab_size >= 1
+        ):
+            raise ValueError(
+                f"vocab_size: expected an integer >= 1 or None, got {self.vocab_size!r}"
+            )
+        if self.max_queued_requests >= MAX_STREAM_LEN // 2:
+            raise ValueError(
+                f"max_queued_requests: must stay below {MAX_STREAM_LEN // 2} (the streams are "
+                f"capped at about {MAX_STREAM_LEN}), got {self.max_queued_requests}"
+            )
+        for name in ("request_timeout_s", "redis_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: expected a number of seconds > 0, got {value!r}")
+        KeySpace(self.key_prefix)  # validates
+
+
+# --------------------------------------------------------------------------- the API edge
+
+
+class CompletionBody(BaseModel):
+    """``POST /v1/completions``. Unknown fields are ignored; unsupported ones rejected."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: StrictInt | None = Field(default=None, ge=0, le=_MAX_SEED)
+    stream: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens regardless of EOS
+    n: StrictInt = 1
+    best_of: StrictInt | None = None
+    echo: bool = False
+    logprobs: StrictInt | None = None
+    stop: str | list[str] | None = None
+    suffix: str | None = None
+
+
+class ApiError(Exception):
+    """An answer with OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, type="invalid_request_error", code=code, param=param)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list, without splitting a multi-byte character.
+
+    Decodes a short window (from ``prefix``) instead of the whole output each time;
+    text that ends in U+FFFD (an incomplete byte sequence) is held back until the
+    next token completes it, or until ``flush``.
+    """
+
+    def __init__(self, detokenize: Detokenize) -> None:
+        self._detokenize = detokenize
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text was emitted
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._detokenize(self.ids[self._prefix : self._read])
+        after = self._detokenize(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        before = self._detokenize(self.ids[self._prefix : self._read])
+        after = self._detokenize(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]
+
+
+# --------------------------------------------------------------------------- one request
+
+
+@dataclass
+class _Token:
+    token: int
+    text: str
+
+
+@dataclass
+class _End:
+    finish_reason: Literal["stop", "length"] | None = None
+    error: ApiError | None = None
+    text: str = ""
+
+
+@dataclass
+class _Generation:
+    """The token-reading side of one admitted request."""
+
+    router: Router
+    req: PrefillRequest
+    entry_id: str
+    arrival: float  # router clock
+    detok: IncrementalDetokenizer
+    tokens: list[int] = field(default_factory=list)
+    first_at: float | None = None
+    last_at: float | None = None
+    outcome: Outcome | None = None  # set once the request ended
+
+    async def pieces(self) -> AsyncIterator[_Token | _End]:
+        """Tokens in order, then one ``_End``. Cleans up however it stops."""
+        router = self.router
+        router.metrics.inflight.inc()
+        try:
+            async for piece in self._read():
+                yield piece
+        finally:
+            router.metrics.inflight.dec()
+            if self.outcome is None:  # the consumer stopped early: the client left
+                self.outcome = Outcome.CANCELLED
+                router.metrics.ended(Outcome.CANCELLED)
+            with anyio.move_on_after(router.config.redis_timeout_s, shield=True):
+                try:
+                    if self.outcome is Outcome.OK:
+                        await router.streams.finish(self.req.request_id)
+                    else:
+                        await router.streams.cancel(self.req.request_id, self.entry_id)
+                except redis.RedisError as exc:
+                    logger.info("cleanup of %s skipped: %s", self.req.request_id, exc)
+
+    async def _read(self) -> AsyncIterator[_Token | _End]:
+        router, config = self.router, self.router.config
+        deadline = self.arrival + config.request_timeout_s
+        last_id = "0-0"
+        while True:
+            remaining = deadline - router.clock()
+            if remaining <= 0:
+                yield self._fail(Outcome.TIMEOUT, router.timeout_error(len(self.tokens)))
+                return
+            block_ms = max(1, min(config.poll_block_ms, math.ceil(remaining * 1000)))
+            try:
+                last_id, events = await router.streams.read_tokens(
+                    self.req.request_id, last_id, block_ms=block_ms
+                )
+            except _REDIS_ERRORS as exc:
+                yield self._fail(Outcome.UNAVAILABLE, router.unavailable(exc))
+                return
+            except (ProtocolError, redis.ResponseError) as exc:
+                yield self._fail(Outcome.ERROR, _protocol_error(str(exc)))
+                return
+            for event in events:
+                piece = self._accept(event)
+                if piece is not None:
+                    yield piece
+                if isinstance(piece, _End):
+                    return
+
+    def _accept(self, event: TokenEvent) -> _Token | _End | None:
+        if event.error is not None:  # final whatever its index
+            return self._fail(
+                Outcome.ERROR,
+                ApiError(
+                    500,
+                    f"a worker failed on this request: {event.error}",
+                    type="server_error",
+                    code="worker_error",
+                ),
+            )
+        n = len(self.tokens)
+        if event.index < n:  # a re-run after a worker died republishes
+            return None
+        if event.index > n:
+            return self._fail(
+                Outcome.ERROR,
+                _protocol_error(f"token stream skipped from index {n} to {event.index}"),
+            )
+        assert event.token is not None  # only error events have none
+        now = self.router.clock()
+        if self.first_at is None:
+            self.first_at = now
+            self.router.metrics.first_token(ttft_s=now - self.arrival)
+        self.last_at = now
+        self.tokens.append(event.token)
+        text = self.detok.add(event.token)
+        if event.finish_reason is None and len(self.tokens) < self.req.max_tokens:
+            return _Token(event.token, text)
+        # The last token: a worker that overruns max_tokens is cut here.
+        reason: Literal["stop", "length"] = (
+            "stop" if event.finish_reason is FinishReason.STOP else "length"
+        )
+        self.outcome = Outcome.OK
+        n_out = len(self.tokens)
+        tpot = None if n_out < 2 else (self.last_at - self.first_at) / (n_out - 1)
+        self.router.metrics.finished(output_tokens=n_out, tpot_s=tpot)
+        return _End(finish_reason=reason, text=text + self.detok.flush())
+
+    def _fail(self, outcome: Outcome, error: ApiError) -> _End:
+        self.outcome = outcome
+        self.router.metrics.ended(outcome)
+        if outcome is Outcome.TIMEOUT and self.first_at is None:
+            # A lower bound of its TTFT, so that overload shows in the P99.
+            self.router.metrics.first_token(ttft_s=self.router.clock() - self.arrival)
+        return _End(error=error, text=self.detok.flush())
+
+
+def _protocol_error(message: str) -> ApiError:
+    return ApiError(
+        500,
+        f"the data plane broke the protocol: {message}",
+        type="server_error",
+        code="protocol_error",
+    )
+
+
+# --------------------------------------------------------------------------- the router
+
+
+class Router:
+    """The request path, independent of the web framework's routing."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        tokenize: Tokenize,
+        detokenize: Detokenize,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        new_seed: Callable[[], int],
+    ) -> None:
+        self.config = config
+        self.tokenize = tokenize
+        self.detokenize = detokenize
+        self.metrics = metrics
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.new_seed = new_seed
+        self.keys = KeySpace(config.key_prefix)
+        self._client: redis.asyncio.Redis | None = None
+        self.created = int(wall_clock())
+
+    # The client is made inside the serving event loop (lifespan, or first use).
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        if self._client is None:
+            self._client = connect_async(
+                self.config.redis_url,
+                timeout_s=self.config.redis_timeout_s + self.config.poll_block_ms / 1000,
+                max_connections=self.config.max_redis_connections,
+            )
+        return self._client
+
+    @property
+    def streams(self) -> AsyncStreams:
+        return AsyncStreams(self.client, self.keys)
+
+    @property
+    def registry(self) -> AsyncRegistry:
+        return AsyncRegistry(self.client, self.keys)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def unavailable(self, exc: BaseException) -> ApiError:
+        return ApiError(
+            503,
+            f"the data plane is unavailable (Redis at {self.config.redis_url}: "
+            f"{exc or type(exc).__name__}); retry later",
+            type="service_unavailable",
+            code="redis_unavailable",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
+
+    def timeout_error(self, tokens: int) -> ApiError:
+        return ApiError(
+            504,
+            f"no complete answer within the request timeout of {self.config.request_timeout_s:g} "
+            f"s ({tokens} tokens received)",
+            type="timeout",
+            code="request_timeout",
+        )
+
+    def prompt_ids(self, body: CompletionBody) -> list[int]:
+        prompt: Any = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise _invalid(
+                    "batched prompts are not supported: send one prompt per request",
+                    "prompt",
+                    "unsupported",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            try:
+                ids = [int(t) for t in self.tokenize(prompt)]
+            except (ValueError, TypeError) as exc:
+                raise _invalid(f"the prompt cannot be tokenised: {exc}", "prompt") from exc
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise _invalid("prompt: must not be empty", "prompt")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise _invalid(
+                f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
+            )
+        return ids
+
+    def check(self, body: CompletionBody) -> tuple[list[int], int]:
+        """The prompt's token ids and max_tokens, or the 400/404 that says what is wrong."""
+        if body.model is not None and body.model != self.config.model_name:
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist; this router serves "
+                f"{self.config.model_name!r}",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        for name, bad in (
+            ("n", body.n != 1),
+            ("best_of", body.best_of not in (None, 1)),
+            ("echo", body.echo),
+            ("logprobs", body.logprobs is not None),
+            ("stop", bool(body.stop)),
+            ("suffix", bool(body.suffix)),
+        ):
+            if bad:
+                raise _invalid(f"{name}: not supported by this server", name, "unsupported")
+        ids = self.prompt_ids(body)
+        max_tokens = body.max_tokens or self.config.default_max_tokens
+        ctx = self.config.max_context_tokens
+        if len(ids) + max_tokens > ctx:
+            raise _invalid(
+                f"this model's context is {ctx} tokens, but the prompt ({len(ids)} tokens) "
+                f"plus max_tokens ({max_tokens}) asks for {len(ids) + max_tokens}",
+                "prompt",
+                "context_length_exceeded",
+            )
+        return ids, max_tokens
+
+    async def admit(self, body: CompletionBody) -> _Generation:
+        """Validate and queue the request; raises ``ApiError`` (400/404/429/503)."""
+        arrival, wall = self.clock(), self.wall_clock()
+        try:
+            ids, max_tokens = self.check(body)
+        except ApiError:
+            self.metrics.ended(Outcome.INVALID)
+            raise
+        self.metrics.arrived(prompt_tokens=len(ids))
+        req = PrefillRequest(
+            request_id=f"cmpl-{uuid.uuid4().hex}",
+            prompt_token_ids=tuple(ids),
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=self.new_seed() if body.seed is None else body.seed,
+            ignore_eos=body.ignore_eos,
+            arrival_s=wall,
+            deadline_s=wall + self.config.request_timeout_s,
+        )
+        try:
+            with anyio.fail_after(self.config.redis_timeout_s):
+                entry_id = await self.streams.enqueue_prefill(
+                    req, max_queued=self.config.max_queued_requests
+                )
+        except (redis.RedisError, TimeoutError) as exc:  # down, or refusing (OOM, READONLY)
+            self.metrics.ended(Outcome.UNAVAILABLE)
+            raise self.unavailable(exc) from exc
+        if entry_id is None:
+            self.metrics.ended(Outcome.REJECTED)
+            raise ApiError(
+                429,
+                f"the prefill queue is full ({self.config.max_queued_requests} requests); "
+                f"retry after {self.config.retry_after_s} s",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+        return _Generation(self, req, entry_id, arrival, IncrementalDetokenizer(self.detokenize))
+
+    def _chunk(self, gen: _Generation, choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": gen.req.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.config.model_name,
+            "choices": [{"index": 0, **choice}],
+        }
+
+    def _usage(self, gen: _Generation) -> dict[str, int]:
+        p, c = gen.req.prompt_tokens, len(gen.tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def sse(self, gen: _Generation) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per token, the last with finish_reason and usage."""
+        async for piece in gen.pieces():
+            if isinstance(piece, _Token):
+                yield _event(
+                    self._chunk(
+                        gen,
+                        {
+                            "text": piece.text,
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "token_ids": [piece.token],
+                        },
+                    )
+                )
+            elif piece.error is not None:
+                yield _event(piece.error.body())
+            else:  # the last token, with the finish
+                chunk = self._chunk(
+                    gen,
+                    {
+                        "text": piece.text,
+                        "logprobs": None,
+                        "finish_reason": piece.finish_reason,
+                        "token_ids": gen.tokens[-1:],
+                    },
+                )
+                yield _event({**chunk, "usage": self._usage(gen)})
+        yield b"data: [DONE]\n\n"
+
+    async def complete(self, gen: _Generation) -> Response:
+        text: list[str] = []
+        async for piece in gen.pieces():
+            text.append(piece.text)
+            if isinstance(piece, _End):
+                if piece.error is not None:
+                    return piece.error.response()
+                body = self._chunk(
+                    gen,
+                    {
+                        "text": "".join(text),
+                        "logprobs": None,
+                        "finish_reason": piece.finish_reason,
+                        "token_ids": list(gen.tokens),
+                    },
+                )
+                return JSONResponse({**body, "usage": self._usage(gen)})
+        raise AssertionError("pieces() ends with an _End")
+
+    async def readiness(self) -> tuple[bool, dict[str, Any]]:
+        try:
+            with anyio.fail_after(self.config.redis_timeout_s):
+                await self.client.ping()
+                live = {pool: await self.registry.live(pool) for pool in Pool}
+        except (redis.RedisError, TimeoutError) as exc:
+            return False, {"status": "not ready", "reason": str(self.unavailable(exc))}
+        counts = {pool.value: sum(w.ready for w in workers) for pool, workers in live.items()}
+        missing = [pool for pool, n in counts.items() if n == 0]
+        body: dict[str, Any] = {"status": "not ready" if missing else "ready", "workers": counts}
+        if missing:
+            body["reason"] = f"no ready {' or '.join(missing)} worker in the registry"
+        return not missing, body
+
+    async def refresh_pool_gauges(self) -> None:
+        """Live workers and stream depths for /metrics; NaN when Redis does not answer."""
+        try:
+            with anyio.fail_after(self.config.redis_timeout_s):
+                for pool in Pool:
+                    live = await self.registry.live(pool)
+                    depth = await self.streams.queue_depth(pool)
+                    self.metrics.set_pool(
+                        pool,
+                        live_workers=sum(w.ready for w in live),
+                        waiting=depth.waiting,
+                        in_service=depth.in_service,
+                    )
+        except (redis.RedisError, TimeoutError):
+            for pool in Pool:
+                self.metrics.set_pool(pool, live_workers=None, waiting=None, in_service=None)
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    message = first.get("msg", "invalid request")
+    if param == "prompt" and first.get("type") != "missing":
+        # A union: pydantic reports the first member it tried, which misleads.
+        message = "expected a string or a list of integer token ids"
+    return _invalid(f"{param}: {message}" if param else message, param)
+
+
+def create_router_app(
+    config: RouterConfig,
+    *,
+    tokenize: Tokenize,
+    detokenize: Detokenize,
+    metrics: RouterMetrics | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
+    new_seed: Callable[[], int] = lambda: secrets.randbits(63),
+) -> FastAPI:
+    """The router's ASGI app. ``clock`` (monotonic seconds) times TTFT/TPOT and the
+    timeout; ``wall_clock`` stamps messages (Unix seconds); ``new_seed`` seeds
+    requests that carry none."""
+    router = Router(
+        config,
+        tokenize=tokenize,
+        detokenize=detokenize,
+        metrics=metrics or RouterMetrics(),
+        clock=clock,
+        wall_clock=wall_clock,
+        new_seed=new_seed,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await router.close()
+
+    app = FastAPI(title="SARA router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        router.metrics.ended(Outcome.INVALID)
+        return _validation_error(exc).response()
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionBody) -> Response:
+        gen = await router.admit(body)
+        if body.stream:
+            return StreamingResponse(
+                router.sse(gen),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await router.complete(gen)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": router.created,
+                    "owned_by": "sara",
+                    "max_model_len": config.max_context_tokens,
+                    "vocab_size": config.vocab_size,
+                }
+            ],
+        }
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", response_model=None)
+    async def readyz() -> Response:
+        ready, body = await router.readiness()
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        await router.refresh_pool_gauges()
+        return Response(router.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app
