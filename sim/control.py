@@ -37,9 +37,7 @@ class SimulatedActuator:
         self.cluster = cluster
 
     def observe(self, pool: Pool) -> PoolObservation:
-        snap = self.cluster.snapshot(window_s=1.0)
-        p = snap.prefill if pool is Pool.PREFILL else snap.decode
-        return PoolObservation(current_replicas=p.starting + p.serving, ready_replicas=p.serving)
+        return replicas_of(self.cluster.snapshot(window_s=1.0))[pool]
 
     def scale(self, pool: Pool, replicas: int) -> None:
         self.cluster.set_pool_size(_SIM_POOL[pool], replicas, self.cluster.now_s)
@@ -56,18 +54,38 @@ class SimulatedSource:
     def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Observation:
         snap = self.cluster.snapshot(window_s=self.window_s)
         burst = self.cluster.snapshot(window_s=self.burst_window_s)
-        return Observation(
-            time_s=now_s,
-            prefill=replicas[Pool.PREFILL],
-            decode=replicas[Pool.DECODE],
-            arrival_rate_rps=snap.window_arrival_rate_rps,
-            burst_arrival_rate_rps=burst.window_arrival_rate_rps,
-            interarrival_scv=_scv(snap.window_arrival_s),
-            lengths=_lengths(snap),
-            ttft_p99_s=_p99(snap.window_ttft_s),
-            tpot_p99_s=_p99(snap.window_tpot_s),
-            prefill_queue_depth=float(snap.prefill.queue_length),
-        )
+        return observation_from(snap, burst, now_s=now_s, replicas=replicas)
+
+
+def replicas_of(snap: ClusterSnapshot) -> dict[Pool, PoolObservation]:
+    """Each pool's replicas as an actuator reports them: desired (starting or serving)
+    and ready (serving); draining workers are on their way out and count as neither."""
+    return {
+        pool: PoolObservation(current_replicas=p.starting + p.serving, ready_replicas=p.serving)
+        for pool, p in ((Pool.PREFILL, snap.prefill), (Pool.DECODE, snap.decode))
+    }
+
+
+def observation_from(
+    snap: ClusterSnapshot,
+    burst: ClusterSnapshot,
+    *,
+    now_s: float,
+    replicas: Mapping[Pool, PoolObservation],
+) -> Observation:
+    """The ``Observation`` of a measurement window ``snap`` and its short burst window."""
+    return Observation(
+        time_s=now_s,
+        prefill=replicas[Pool.PREFILL],
+        decode=replicas[Pool.DECODE],
+        arrival_rate_rps=snap.window_arrival_rate_rps,
+        burst_arrival_rate_rps=burst.window_arrival_rate_rps,
+        interarrival_scv=_scv(snap.window_arrival_s),
+        lengths=_lengths(snap),
+        ttft_p99_s=_p99(snap.window_ttft_s),
+        tpot_p99_s=_p99(snap.window_tpot_s),
+        prefill_queue_depth=float(snap.prefill.queue_length),
+    )
 
 
 def _p99(values: np.ndarray) -> float | None:

@@ -1,0 +1,305 @@
+"""Policy quality: the production controller against the baselines and the oracle.
+
+Three workloads, every policy on the same trace, scenario and seed:
+
+- ``conv``: the Azure conversation trace, every one of its 19,366 requests, replayed
+  2.5 times as fast (the hour in 23 minutes: 2.5 times the rate, the same shape), on
+  llama-2-70b TP4 on A100-80GB: its busiest minute (20 req/s) needs 8 prefill
+  workers (the solver, 15 % headroom);
+- ``code``: the Azure code trace (the whole hour, 8,819 requests) as recorded, on
+  llama-2-70b TP4 on H100: bursts of simultaneous requests make its busiest minute
+  need 8 prefill workers at rate x1 (the A100 profile cannot meet a 2-s TTFT on its
+  longest prompts at all);
+- ``diurnal``: ShareGPT lengths on a compressed daily cycle: two 20-minute "days"
+  (peak-to-trough 4, mean 10 req/s), Gamma-bursty arrivals (SCV 4), on the H100
+  profile.
+
+SLOs: P99 TTFT 2 s, P99 TPOT 0.1 s; KV link 400 Gbit/s; worker startup 99 s (the
+profile's). The profiles, the time compression of ``conv`` and the short "days" keep
+the run affordable (fewer, heavier requests per worker, and about 20,000 requests
+per workload); the GPU only scales every policy's cost alike.
+
+Prints one table (attainment, P99s, GPU-hours, relative to the oracle and to
+static-peak, scale events per pool per hour, lost requests) and checks the issue's
+acceptance criteria for ``sara``. Policies run in parallel processes
+(``--jobs``, default 2); the whole run must take under 3 minutes on 2 cores.
+``--sensitivity`` adds variants (not part of the timed run): the threshold policy
+with a lower target or a queue-aware metric, and ``sara`` / ``sara-forecast`` with a
+60-s measurement window (a configuration change docs/backtesting.md discusses).
+
+    .venv/bin/python bench/policy_quality.py [--jobs 2] [--markdown] [--sensitivity]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from queueing.catalog import resolve_profile
+from queueing.solver import KvLink, SloTargets
+from sim.backtest import BacktestResult, run_backtest
+from sim.policies import (
+    POLICY_NAMES,
+    BacktestPolicy,
+    ForecastSettings,
+    SaraPolicy,
+    Scenario,
+    ThresholdPolicy,
+    ThresholdTargets,
+    make_policy,
+    warm_start,
+)
+from sim.trace import Trace
+from sim.trace_io import load_lengths, load_trace
+from sim.workload import diurnal_arrivals, synthesize
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ROOT / "data/traces"
+BUDGET_S = 180.0
+SLO = SloTargets(ttft_p99_s=2.0, tpot_p99_s=0.1)
+LINK = KvLink(bytes_per_s=400e9 / 8)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    trace: Trace
+    scenario: Scenario
+
+
+def _scenario(profile: str) -> Scenario:
+    return Scenario(profile=resolve_profile(profile), slo=SLO, link=LINK)
+
+
+@functools.cache
+def workload(name: str) -> Workload:
+    """Build a workload (once per process)."""
+    if name == "conv":
+        # The whole hour replayed 2.5 times as fast: every recorded request, 2.5 x the rate.
+        trace = load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv", speedup=2.5)
+        return Workload(name, trace, _scenario("llama-2-70b-tp4@a100-80g"))
+    if name == "code":
+        trace = load_trace(TRACES / "AzureLLMInferenceTrace_code.csv")
+        return Workload(name, trace, _scenario("llama-2-70b-tp4@h100-sxm"))
+    if name == "diurnal":
+        rng = np.random.default_rng(7)
+        lengths = load_lengths(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+        arrivals = diurnal_arrivals(
+            mean_rate_rps=10.0,
+            peak_to_trough=4.0,
+            period_s=1200.0,
+            duration_s=2400.0,
+            ca2=4.0,
+            rng=rng,
+        )
+        trace = synthesize(
+            arrival_s=arrivals,
+            lengths=lengths,
+            rng=rng,
+            source="ShareGPT lengths, diurnal (2 x 20-min days, peak/trough 4), Gamma SCV 4",
+        )
+        return Workload(name, trace, _scenario("llama-2-70b-tp4@h100-sxm"))
+    raise ValueError(f"workload: unknown {name!r}")
+
+
+WORKLOADS = ("conv", "code", "diurnal")
+
+
+# -- sensitivity variants (policies configured differently from their defaults) ----------
+
+
+def _sara_window_60(forecast: bool) -> Callable[[Trace, Scenario], BacktestPolicy]:
+    """sara (or sara-forecast) with a 60-s measurement window (the default is 30 s)."""
+
+    def build(trace: Trace, scenario: Scenario) -> BacktestPolicy:
+        config = dataclasses.replace(scenario.controller_config, window_s=60.0)
+        policy = SaraPolicy(
+            scenario,
+            warm_start(trace, scenario),
+            config=config,
+            forecast=ForecastSettings() if forecast else None,
+        )
+        policy.name = "sara-forecast w60" if forecast else "sara w60"
+        return policy
+
+    return build
+
+
+def _threshold(
+    targets: ThresholdTargets, label: str
+) -> Callable[[Trace, Scenario], BacktestPolicy]:
+    def build(trace: Trace, scenario: Scenario) -> BacktestPolicy:
+        policy = ThresholdPolicy(scenario, warm_start(trace, scenario), targets=targets)
+        policy.name = label
+        return policy
+
+    return build
+
+
+VARIANTS: dict[str, Callable[[Trace, Scenario], BacktestPolicy]] = {
+    "sara w60": _sara_window_60(forecast=False),
+    "sara-forecast w60": _sara_window_60(forecast=True),
+    "threshold 0.5": _threshold(ThresholdTargets(prefill=0.5, decode=0.5), "threshold 0.5"),
+    "threshold queue": _threshold(ThresholdTargets(count_queued=True), "threshold queue"),
+}
+
+
+def run_task(task: tuple[str, str]) -> tuple[str, str, BacktestResult]:
+    name, policy_name = task
+    w = workload(name)
+    if policy_name in VARIANTS:
+        policy = VARIANTS[policy_name](w.trace, w.scenario)
+    else:
+        policy = make_policy(policy_name, w.trace, w.scenario)
+    return name, policy_name, run_backtest(w.trace, policy, w.scenario)
+
+
+# -- the table -----------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+HEADERS = (
+    "workload",
+    "policy",
+    "attainment",
+    "P99 TTFT s",
+    "P99 TPOT s",
+    "GPU-h",
+    "x oracle",
+    "x static-peak",
+    "events/h P",
+    "events/h D",
+    "lost",
+)
+
+
+def table(results: dict[str, dict[str, BacktestResult]], *, markdown: bool) -> str:
+    rows = []
+    for wname, by_policy in results.items():
+        oracle = by_policy.get("oracle")
+        peak = by_policy.get("static-peak")
+        for pname, r in by_policy.items():
+            s = r.summary
+            per_hour = r.scale_events_per_hour
+            rows.append(
+                [
+                    wname,
+                    pname,
+                    "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.2f} %",
+                    _fmt(s.ttft_p99_s, ".3g"),
+                    _fmt(s.tpot_p99_s, ".3g"),
+                    f"{s.gpu_hours:.1f}",
+                    _fmt(s.gpu_hours / oracle.summary.gpu_hours if oracle else None, ".2f"),
+                    _fmt(s.gpu_hours / peak.summary.gpu_hours if peak else None, ".2f"),
+                    f"{per_hour['prefill']:.1f}",
+                    f"{per_hour['decode']:.1f}",
+                    str(s.lost_requests),
+                ]
+            )
+    if markdown:
+        out = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(HEADERS, widths, strict=True))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(out)
+
+
+def acceptance(results: dict[str, dict[str, BacktestResult]], policy: str = "sara") -> list[str]:
+    """One line per workload and criterion of issue 5, for ``policy``."""
+    lines = []
+    for wname, by_policy in results.items():
+        if policy not in by_policy:
+            continue
+        mine = by_policy[policy].summary
+        att = mine.slo_attainment or 0.0
+        checks = [(f"attainment {100 * att:.2f} % >= 99 %", att >= 0.99)]
+        for ref, factor in (("static-peak", 0.8), ("oracle", 1.15)):
+            if ref in by_policy:
+                ratio = mine.gpu_hours / by_policy[ref].summary.gpu_hours
+                checks.append((f"GPU-hours {ratio:.2f} x {ref} <= {factor}", ratio <= factor))
+        for rival in ("threshold", "throughput", "throughput-trend"):
+            if rival in by_policy:
+                other = by_policy[rival].summary
+                better = att > (other.slo_attainment or 0.0)
+                cheaper = mine.gpu_hours <= other.gpu_hours
+                checks.append(
+                    (
+                        f"vs {rival}: attainment {100 * att:.2f} vs "
+                        f"{100 * (other.slo_attainment or 0.0):.2f} %, GPU-h "
+                        f"{mine.gpu_hours:.1f} vs {other.gpu_hours:.1f}",
+                        better and cheaper,
+                    )
+                )
+        for text, ok in checks:
+            lines.append(f"  {wname:<8} {policy:<14} {'met   ' if ok else 'MISSED'}  {text}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
+    parser.add_argument("--sensitivity", action="store_true", help="add the variants")
+    args = parser.parse_args()
+    names = args.workloads.split(",")
+    policies = args.policies.split(",")
+    if args.sensitivity:
+        policies += list(VARIANTS)
+    # Longest first: the oracle plans with window simulations before its run.
+    tasks = sorted(
+        ((w, p) for w in names for p in policies),
+        key=lambda t: (t[1] != "oracle", t[0] == "code"),
+    )
+    started = time.perf_counter()
+    done: dict[tuple[str, str], BacktestResult] = {}
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for wname, pname, result in pool.map(run_task, tasks):
+            done[(wname, pname)] = result
+            print(f"  {wname:<8} {pname:<18} {result.wall_s:6.1f} s", file=sys.stderr)
+    wall_s = time.perf_counter() - started
+    results = {w: {p: done[(w, p)] for p in policies} for w in names}
+    for w in names:
+        trace = workload(w).trace
+        scenario = workload(w).scenario
+        print(
+            f"{w}: {trace.source}: {len(trace)} requests over {trace.duration_s:.0f} s; "
+            f"{scenario.profile.name}, startup {scenario.worker_startup_s:.0f} s"
+        )
+    print()
+    print(table(results, markdown=args.markdown))
+    print()
+    for policy in ("sara", "sara-forecast"):
+        if all(policy in by_policy for by_policy in results.values()):
+            print(f"acceptance (issue 5) for {policy}:")
+            print("\n".join(acceptance(results, policy)))
+    lost = sum(r.summary.lost_requests for r in done.values())
+    print(f"\nlost requests, all runs: {lost}")
+    verdict = "within" if wall_s < BUDGET_S else "OVER"
+    print(
+        f"wall time: {wall_s:.1f} s with {args.jobs} processes ({verdict} the "
+        f"{BUDGET_S:.0f}-s budget)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""What every back-testing policy shares: the scenario, the allocation it returns,
+the read-only view of the cluster it decides on, and the protocol itself.
+
+A policy is asked for its starting allocation once, then ticked every
+``interval_s`` seconds of simulated time with a ``ClusterView``: what a controller
+could measure at that instant (windowed snapshots of the cluster, as
+``sim.control.SimulatedSource`` turns them into observations). It returns the pool
+sizes it wants, or None to leave them. The runner (``sim.backtest``) applies them
+through the cluster's scaling hook, so every policy pays the same startup delay and
+drains the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from controller.config import ControllerConfig, PoolLimits, SloConfig
+from queueing.budget import token_budget
+from queueing.lengths import LengthSamples
+from queueing.profile import IterationProfile
+from queueing.solver import CapacityModel, InfeasibleSLOError, KvLink, SloTargets, solve
+from sim.cluster import Cluster, ClusterConfig, ClusterSnapshot, Pool
+from sim.trace import FloatArray, Trace
+
+# A controller that has seen fewer requests than this falls back to the whole
+# trace's length mix when it needs one (the statistics of a handful are noise).
+MIN_WINDOW_REQUESTS = 50
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allocation:
+    """Worker counts of both pools (each >= 1)."""
+
+    prefill: int
+    decode: int
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+
+    def of(self, pool: Pool) -> int:
+        return self.prefill if pool is Pool.PREFILL else self.decode
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Scenario:
+    """The cluster and SLOs every policy of one comparison is judged on.
+
+    ``startup_s`` (seconds from a scale-up to serving) defaults to the profile's.
+    ``headroom`` is what the solver-based policies plan with (SLO / (1 + headroom));
+    ``max_replicas`` caps every pool of every policy. ``controller`` is the
+    ``sara`` policy's configuration; by default the production defaults with this
+    scenario's SLOs, profile, link and replica cap.
+    """
+
+    profile: IterationProfile
+    slo: SloTargets
+    link: KvLink = field(default_factory=KvLink)
+    startup_s: float | None = None
+    headroom: float = 0.15
+    max_replicas: int = 64
+    controller: ControllerConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.startup_s is not None and not (
+            math.isfinite(self.startup_s) and self.startup_s >= 0
+        ):
+            raise ValueError(f"startup_s: must be a finite number >= 0, got {self.startup_s!r}")
+        if not (math.isfinite(self.headroom) and 0 <= self.headroom < 10):
+            raise ValueError(f"headroom: must be in [0, 10), got {self.headroom!r}")
+        if isinstance(self.max_replicas, bool) or self.max_replicas < 1:
+            raise ValueError(f"max_replicas: must be an integer >= 1, got {self.max_replicas!r}")
+
+    @property
+    def worker_startup_s(self) -> float:
+        return self.profile.startup_s if self.startup_s is None else self.startup_s
+
+    @property
+    def token_budget(self) -> int:
+        """The Sarathi budget (and maximum decode batch) that fits the TPOT SLO."""
+        return token_budget(self.profile, tpot_slo_s=self.slo.tpot_p99_s)
+
+    @property
+    def controller_config(self) -> ControllerConfig:
+        if self.controller is not None:
+            return self.controller
+        limits = PoolLimits(min_replicas=1, max_replicas=self.max_replicas)
+        return ControllerConfig(
+            profile=self.profile.name,
+            slo=SloConfig(ttft_p99_s=self.slo.ttft_p99_s, tpot_p99_s=self.slo.tpot_p99_s),
+            headroom=self.headroom,
+            kv_link_gbps=self.link.bytes_per_s * 8.0 / 1e9,
+            prefill=limits,
+            decode=limits,
+        )
+
+    def cluster_config(self, allocation: Allocation) -> ClusterConfig:
+        return ClusterConfig(
+            prefill_workers=allocation.prefill,
+            decode_workers=allocation.decode,
+            profile=self.profile,
+            token_budget=self.token_budget,
+            kv_link_bytes_per_s=self.link.bytes_per_s,
+            kv_link_latency_s=self.link.latency_s,
+            startup_s=self.worker_startup_s,
+        )
+
+    def capacity_model(self, lengths: LengthSamples) -> CapacityModel:
+        return CapacityModel.build(
+            lengths, self.profile, tpot_slo_s=self.slo.tpot_p99_s, link=self.link
+        )
+
+    def clamp(self, workers: int) -> int:
+        return min(max(1, workers), self.max_replicas)
+
+
+class ClusterView:
+    """Read-only access to a running simulation: the clock and windowed snapshots."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+
+    @property
+    def now_s(self) -> float:
+        return self._cluster.now_s
+
+    def snapshot(self, *, window_s: float = 30.0) -> ClusterSnapshot:
+        """The pools now and the requests of the last ``window_s`` seconds."""
+        return self._cluster.snapshot(window_s=window_s)
+
+
+class BacktestPolicy(Protocol):
+    """A scaling policy under test. ``interval_s``: seconds between ticks (> 0)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def interval_s(self) -> float: ...
+
+    @property
+    def initial(self) -> Allocation:
+        """The pool sizes at time 0 (serving from the start)."""
+        ...
+
+    def tick(self, view: ClusterView) -> Allocation | None:
+        """The wanted pool sizes now, or None to leave both as they are."""
+        ...
+
+
+# -- solver helpers shared by the policies that plan from known load -----------------
+
+
+def interarrival_scv(arrival_s: FloatArray) -> float:
+    """SCV of the gaps of sorted arrival times; 1 (Poisson) with too few to measure."""
+    if len(arrival_s) < 10:
+        return 1.0
+    gaps = np.diff(arrival_s)
+    mean = float(gaps.mean())
+    return float(gaps.var() / (mean * mean)) if mean > 0 else 1.0
+
+
+def window_lengths(trace: Trace, lo: int, hi: int) -> LengthSamples:
+    """The lengths of requests ``lo:hi``, or of the whole trace when they are too few."""
+    if hi - lo < MIN_WINDOW_REQUESTS:
+        lo, hi = 0, len(trace)
+    return LengthSamples(
+        prompt_tokens=trace.prompt_tokens[lo:hi].astype(np.int64),
+        output_tokens=trace.output_tokens[lo:hi].astype(np.int64),
+        source=f"{trace.source} requests {lo}..{hi}",
+    )
+
+
+def solver_allocation(
+    scenario: Scenario,
+    lengths: LengthSamples,
+    *,
+    rate_rps: float,
+    ca2: float,
+    headroom: float | None = None,
+) -> Allocation:
+    """The solver's answer for a load, capped at ``scenario.max_replicas``.
+
+    No traffic needs one worker per pool. When the SLOs cannot be met at all (the
+    longest prompts alone are too slow), the pools are sized for 1.2 times the
+    blocking floor instead, as the controller itself does.
+    """
+    if rate_rps <= 0:
+        return Allocation(prefill=1, decode=1)
+    model = scenario.capacity_model(lengths)
+    room = scenario.headroom if headroom is None else headroom
+    try:
+        result = solve(model, arrival_rate_rps=rate_rps, ca2=ca2, slo=scenario.slo, headroom=room)
+    except InfeasibleSLOError:
+        relaxed = SloTargets(
+            ttft_p99_s=max(scenario.slo.ttft_p99_s, model.prefill.floor_quantile_s(0.99) * 1.2),
+            tpot_p99_s=max(scenario.slo.tpot_p99_s, model.decode.floor_quantile_s(0.99) * 1.2),
+        )
+        try:
+            result = solve(model, arrival_rate_rps=rate_rps, ca2=ca2, slo=relaxed, headroom=room)
+        except InfeasibleSLOError:
+            return Allocation(prefill=scenario.max_replicas, decode=scenario.max_replicas)
+    return Allocation(
+        prefill=scenario.clamp(result.prefill_workers),
+        decode=scenario.clamp(result.decode_workers),
+    )
+
+
+def window_allocation(
+    trace: Trace, scenario: Scenario, *, start_s: float, end_s: float, headroom: float | None = None
+) -> Allocation:
+    """The solver's allocation for the requests arriving in [start_s, end_s)."""
+    lo, hi = (int(i) for i in np.searchsorted(trace.arrival_s, [start_s, end_s], side="left"))
+    rate = (hi - lo) / (end_s - start_s)
+    return solver_allocation(
+        scenario,
+        window_lengths(trace, lo, hi),
+        rate_rps=rate,
+        ca2=interarrival_scv(trace.arrival_s[lo:hi]),
+        headroom=headroom,
+    )
+
+
+WARM_START_WINDOW_S = 300.0
+
+
+def warm_start(trace: Trace, scenario: Scenario) -> Allocation:
+    """Where the autoscaling policies start: the solver's allocation for the first
+    five minutes of load, as if the cluster had been sized for the traffic just
+    before the trace began. The same for every reactive policy, so none of them
+    wins or loses by its starting point."""
+    end_s = min(WARM_START_WINDOW_S, max(trace.duration_s, 1.0))
+    return window_allocation(trace, scenario, start_s=0.0, end_s=end_s)

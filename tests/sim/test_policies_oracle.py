@@ -1,0 +1,126 @@
+"""The oracle: its allocation meets the SLOs in its windows, is the smallest that does,
+and is provisioned a startup delay ahead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from queueing.catalog import resolve_profile
+from queueing.solver import KvLink, SloTargets
+from sim.policies import Allocation, OraclePolicy, OracleWindow, Scenario
+from sim.policies.oracle import _Search, check_window, plan_window
+from sim.trace import Trace
+from sim.trace_io import load_trace
+from sim.workload import scale_rate, time_slice
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = Scenario(
+    profile=resolve_profile("llama-2-70b-tp4@h100-sxm"),
+    slo=SloTargets(ttft_p99_s=2.0, tpot_p99_s=0.1),
+    link=KvLink(bytes_per_s=50e9),
+)
+
+
+def conv_slice(end_s: float, rate_scale: float) -> Trace:
+    trace = time_slice(
+        load_trace(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv"), start_s=0.0, end_s=end_s
+    )
+    return scale_rate(trace, rate_scale, np.random.default_rng(3))
+
+
+def test_each_window_s_allocation_meets_both_slos_and_one_worker_fewer_does_not() -> None:
+    trace = conv_slice(360.0, 4.0)
+    window = plan_window(trace, SCENARIO, start_s=60.0, end_s=240.0)
+    assert window.met and window.requests > 1000
+    a = window.allocation
+    check = check_window(trace, SCENARIO, a, start_s=60.0, end_s=240.0)
+    assert check.ttft_ok and check.tpot_ok
+    assert check.ttft_p99_s is not None and check.ttft_p99_s <= 2.0
+    assert check.tpot_p99_s is not None and check.tpot_p99_s <= 0.1
+    if a.prefill > 1:
+        fewer = Allocation(prefill=a.prefill - 1, decode=a.decode)
+        assert not check_window(
+            trace,
+            SCENARIO,
+            fewer,
+            start_s=60.0,
+            end_s=240.0,
+        ).ttft_ok
+    if a.decode > 1:
+        fewer = Allocation(prefill=a.prefill, decode=a.decode - 1)
+        assert not check_window(
+            trace,
+            SCENARIO,
+            fewer,
+            start_s=60.0,
+            end_s=240.0,
+        ).tpot_ok
+
+
+def test_an_empty_window_needs_one_worker_per_pool_and_no_simulation() -> None:
+    trace = conv_slice(120.0, 1.0)
+    window = plan_window(trace, SCENARIO, start_s=500.0, end_s=800.0)
+    assert window.allocation == Allocation(prefill=1, decode=1)
+    assert window.simulations == 0
+
+
+@given(
+    answer=st.integers(min_value=1, max_value=40),
+    guess=st.integers(min_value=1, max_value=40),
+)
+def test_the_search_finds_the_smallest_passing_count_from_any_guess(
+    answer: int, guess: int
+) -> None:
+    search = _Search(cap=40)
+    probe = guess
+    for _ in range(20):
+        search.record(probe, probe >= answer)
+        if search.done:
+            break
+        probe = search.probe()
+    assert search.done and search.answer == answer
+
+
+def test_the_search_reports_the_cap_when_nothing_passes() -> None:
+    search = _Search(cap=8)
+    probe = 3
+    while not search.done:
+        search.record(probe, False)
+        probe = search.probe()
+    assert search.answer == 8 and search.hi is None
+
+
+def window(k: int, prefill: int, decode: int = 1) -> OracleWindow:
+    return OracleWindow(
+        start_s=300.0 * k,
+        end_s=300.0 * (k + 1),
+        requests=1,
+        allocation=Allocation(prefill=prefill, decode=decode),
+        met=True,
+        simulations=1,
+    )
+
+
+def test_scale_ups_are_issued_a_startup_delay_ahead_and_scale_downs_at_the_window_end() -> None:
+    scenario = Scenario(
+        profile=SCENARIO.profile, slo=SCENARIO.slo, link=SCENARIO.link, startup_s=100.0
+    )
+    policy = OraclePolicy(scenario, (window(0, 2), window(1, 5), window(2, 3, decode=2)))
+    assert policy.initial == Allocation(prefill=2, decode=1)
+    # Window 1 starts at 300 s and a worker serves 100 s after its start, so the pool
+    # must grow at the last tick that still makes it: t = 200 (serving at 300). At
+    # t = 199 the next tick is still in time.
+    assert policy.wanted(199.0).prefill == 2
+    assert policy.wanted(200.0).prefill == 5
+    # Window 2 needs fewer prefill but more decode workers: the decode pool grows at
+    # t = 500 (serving at 600) while the prefill pool stays at 5 until window 1 ends.
+    assert policy.wanted(499.0) == Allocation(prefill=5, decode=1)
+    assert policy.wanted(500.0) == Allocation(prefill=5, decode=2)
+    assert policy.wanted(599.0) == Allocation(prefill=5, decode=2)
+    assert policy.wanted(600.0) == Allocation(prefill=3, decode=2)
+    # Past the plan, the last window's allocation holds.
+    assert policy.wanted(5000.0) == Allocation(prefill=3, decode=2)
