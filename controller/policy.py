@@ -428,18 +428,24 @@ def recommend(
     ca2: float,
     config: ControllerConfig,
     factors: dict[str, float],
-) -> tuple[tuple[int, int], ReasonEntry]:
-    """The solver's answer at the planning rate, aiming at calibrated targets."""
+) -> tuple[tuple[int, int], SloTargets, ReasonEntry]:
+    """The solver's answer at the planning rate, the (calibrated, possibly relaxed) SLO
+    it aimed at — the safety stage judges scale-downs against the same targets — and
+    the reason."""
     slo = SloTargets(
         ttft_p99_s=config.slo.ttft_p99_s / factors["prefill"],
         tpot_p99_s=config.slo.tpot_p99_s / factors["decode"],
     )
     if rate_rps <= 0:
-        return (config.prefill.min_replicas, config.decode.min_replicas), ReasonEntry(
-            stage=Stage.RECOMMEND,
-            reason=Reason.RECOMMENDED,
-            pool=None,
-            detail="no traffic: the minimum of each pool",
+        return (
+            (config.prefill.min_replicas, config.decode.min_replicas),
+            slo,
+            ReasonEntry(
+                stage=Stage.RECOMMEND,
+                reason=Reason.RECOMMENDED,
+                pool=None,
+                detail="no traffic: the minimum of each pool",
+            ),
         )
     try:
         result = solve(model, arrival_rate_rps=rate_rps, ca2=ca2, slo=slo, headroom=config.headroom)
@@ -456,24 +462,36 @@ def recommend(
             )
         except InfeasibleSLOError:
             big = (config.prefill.max_replicas, config.decode.max_replicas)
-            return big, ReasonEntry(
+            return (
+                big,
+                relaxed,
+                ReasonEntry(
+                    stage=Stage.RECOMMEND,
+                    reason=Reason.SLO_INFEASIBLE,
+                    pool=None,
+                    detail=f"{exc}; planning for the maximum",
+                ),
+            )
+        return (
+            (result.prefill_workers, result.decode_workers),
+            relaxed,
+            ReasonEntry(
                 stage=Stage.RECOMMEND,
                 reason=Reason.SLO_INFEASIBLE,
                 pool=None,
-                detail=f"{exc}; planning for the maximum",
-            )
-        return (result.prefill_workers, result.decode_workers), ReasonEntry(
-            stage=Stage.RECOMMEND,
-            reason=Reason.SLO_INFEASIBLE,
-            pool=None,
-            detail=f"{exc}; planning for 1.2 x the floor instead",
+                detail=f"{exc}; planning for 1.2 x the floor instead",
+            ),
         )
-    return (result.prefill_workers, result.decode_workers), ReasonEntry(
-        stage=Stage.RECOMMEND,
-        reason=Reason.RECOMMENDED,
-        pool=None,
-        detail=f"{result.prefill_workers} prefill ({result.prefill_bound.value}), "
-        f"{result.decode_workers} decode ({result.decode_bound.value}) at {rate_rps:.3g} req/s",
+    return (
+        (result.prefill_workers, result.decode_workers),
+        slo,
+        ReasonEntry(
+            stage=Stage.RECOMMEND,
+            reason=Reason.RECOMMENDED,
+            pool=None,
+            detail=f"{result.prefill_workers} prefill ({result.prefill_bound.value}), "
+            f"{result.decode_workers} decode ({result.decode_bound.value}) at {rate_rps:.3g} req/s",
+        ),
     )
 
 
@@ -483,13 +501,13 @@ def _meets_at(
     workers: int,
     rate_rps: float,
     ca2: float,
-    config: ControllerConfig,
-    factor: float,
+    aimed: SloTargets,
+    headroom: float,
 ) -> bool:
     if workers < 1 or rate_rps <= 0:
         return rate_rps <= 0
-    target = config.slo.ttft_p99_s if pool == "prefill" else config.slo.tpot_p99_s
-    target = target / factor / (1.0 + config.headroom)
+    target = aimed.ttft_p99_s if pool == "prefill" else aimed.tpot_p99_s
+    target = target / (1.0 + headroom)
     slo = SloTargets(
         ttft_p99_s=target if pool == "prefill" else 1e9,
         tpot_p99_s=target if pool == "decode" else 1e9,
@@ -512,13 +530,14 @@ def safety(
     model: CapacityModel,
     raw_rate_rps: float,
     ca2: float,
-    config: ControllerConfig,
-    factor: float,
+    aimed: SloTargets,
+    headroom: float,
 ) -> tuple[int, ReasonEntry | None]:
-    """A scale-down must also hold at the current raw rate, not only the smoothed one."""
+    """A scale-down must also hold at the current raw rate, not only the smoothed one
+    (judged against the targets the recommendation aimed at)."""
     if recommended >= current:
         return recommended, None
-    if _meets_at(model, pool, recommended, raw_rate_rps, ca2, config, factor):
+    if _meets_at(model, pool, recommended, raw_rate_rps, ca2, aimed, headroom):
         return recommended, ReasonEntry(
             stage=Stage.SAFETY,
             reason=Reason.SCALE_DOWN_SAFE,
@@ -527,7 +546,7 @@ def safety(
         )
     # Find the smallest count between recommended and current that is safe now.
     for n in range(recommended + 1, current):
-        if _meets_at(model, pool, n, raw_rate_rps, ca2, config, factor):
+        if _meets_at(model, pool, n, raw_rate_rps, ca2, aimed, headroom):
             return n, ReasonEntry(
                 stage=Stage.SAFETY,
                 reason=Reason.SCALE_DOWN_UNSAFE,
@@ -788,7 +807,7 @@ def decide(
 
     factors, errors, cal_entries = calibrate(observation, state, config)
     reasons.extend(cal_entries)
-    (rec_prefill, rec_decode), entry = recommend(model, rate, ca2_value, config, factors)
+    (rec_prefill, rec_decode), aimed, entry = recommend(model, rate, ca2_value, config, factors)
     reasons.append(entry)
     recommended = {"prefill": rec_prefill, "decode": rec_decode}
 
@@ -798,7 +817,9 @@ def decide(
         pstate = replace(state.pool(pool), calibration=factors[pool])
         target = recommended[pool]
         cur = current[pool]
-        target, maybe = safety(pool, target, cur, model, raw_rate, ca2_value, config, factors[pool])
+        target, maybe = safety(
+            pool, target, cur, model, raw_rate, ca2_value, aimed, config.headroom
+        )
         reasons.extend([maybe] if maybe else [])
         target, maybe = dead_band(pool, target, cur, config)
         reasons.extend([maybe] if maybe else [])

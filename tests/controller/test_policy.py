@@ -394,3 +394,16 @@ SCENARIOS = _scenarios()
 def test_every_reason_is_produced_by_its_scenario(reason: Reason) -> None:
     assert reason in SCENARIOS, f"no scenario for {reason}"
     assert reason in _reasons_of(SCENARIOS[reason])
+
+
+def test_with_an_infeasible_slo_oversized_pools_still_scale_down_to_the_relaxed_plan() -> None:
+    # The TTFT SLO is below the floor, so the recommendation plans for 1.2 x the floor;
+    # the scale-down safety check must judge against that same relaxed target, or no
+    # scale-down would ever pass and the pools would stay oversized for good.
+    config = replace(CONFIG, slo=SloConfig(ttft_p99_s=0.01, tpot_p99_s=0.1))
+    state = ControllerState(smoothed_rate_rps=2.0, lengths=LENGTHS)
+    first = decide(observation(0.0, 2.0, 8, 8), state, config, now_s=0.0)
+    assert any(r.reason is Reason.SLO_INFEASIBLE for r in first.reasons)
+    later = decide(observation(400.0, 2.0, 8, 8), first.state, config, now_s=400.0)
+    assert later.prefill_target < 8
+    assert not any(r.reason is Reason.SCALE_DOWN_UNSAFE for r in later.reasons)
