@@ -9,21 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main
 from queueing.catalog import resolve_profile
+from tests.controller.cli_runner import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONV = str(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv")
 ARXIV = str(ROOT / "data/traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv")
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_solve_on_a_trace_prints_the_documented_json_keys(

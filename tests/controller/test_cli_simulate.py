@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main
+from tests.controller.cli_runner import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONV = str(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv")
@@ -39,15 +39,6 @@ FIELDS = (
     "lost_requests",
     "series",
 )
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_compare_with_json_prints_every_policy_with_the_documented_fields(
