@@ -307,12 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profiles)
 
     # Each subcommand module imports its heavy libraries (torch, redis) only when run.
-    from controller import cli_controller, cli_load, cli_profile, cli_simulate
+    from controller import (
+        cli_controller,
+        cli_load,
+        cli_profile,
+        cli_serve,
+        cli_simulate,
+        cli_worker,
+    )
 
     cli_simulate.register(sub, _add_slo_args)
     cli_controller.register(sub)
     cli_profile.register(sub)
     cli_load.register(sub)
+    cli_worker.register(sub)
+    cli_serve.register(sub)
     return parser
 
 

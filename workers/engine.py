@@ -251,6 +251,11 @@ class Engine:
         self.waiting.append(seq)
         return seq_id
 
+    def check_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """``ValueError`` naming the field if this request could never run here (as
+        ``add_request`` checks it), e.g. before a prefill for a decode engine alike."""
+        self._check_prompt(prompt_token_ids, params)
+
     def _check_prompt(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:

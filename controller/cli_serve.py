@@ -1,0 +1,266 @@
+"""`sara serve`: the whole stack on this machine.
+
+    sara serve [--listen 127.0.0.1:8000] [--model DIR|tiny] [--redis URL]
+               [--api-listen 127.0.0.1:8080] [--config FILE] [--profile FILE|NAME]
+
+Starts, in this order: a private ``redis-server`` on a free loopback port (unless
+``--redis`` names one), the router (a child process), and the controller in this
+process: the control loop with the local actuator, which starts the prefill and
+decode workers (child processes, one torch thread each, metrics on consecutive
+ports from ``--prefill-port``/``--decode-port``), and the controller's REST API.
+The controller observes by scraping the router's ``/metrics`` (no Prometheus
+needed). On SIGINT/SIGTERM everything stops in reverse order: the workers drain
+(SIGTERM, then SIGKILL after the grace period), the router stops, Redis stops.
+
+A note on latency: every hop is a loopback TCP connection; redis-py and uvicorn
+disable Nagle's algorithm (TCP_NODELAY) on their sockets, so small messages such
+as one token are not held back waiting for an ACK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from controller import cli
+from controller.actuator import Pool
+from controller.cli_controller import _close, _parse_listen, _scrape_every
+from controller.cli_worker import DEFAULT_MODEL_CACHE, resolve_model
+from controller.config import ConfigError, ControllerConfig
+from controller.loop import ControlLoop
+from controller.metrics import ControllerMetrics
+from controller.store import FileConfigStore
+
+logger = logging.getLogger("sara.serve")
+
+CONFIG_FILE = "config.json"
+STARTUP_TIMEOUT_S = 60.0
+
+
+def _python_cli(*args: str) -> list[str]:
+    """Run a `sara` subcommand with this interpreter (works without the entry point)."""
+    return [sys.executable, "-m", "controller.cli", *args]
+
+
+def worker_command(pool: Pool, *, redis_url: str, model_dir: Path, args: Any) -> list[str]:
+    """The local actuator's argv template of one pool's worker (``{port}``, ``{index}``)."""
+    return _python_cli(
+        "worker",
+        pool.value,
+        "--redis",
+        redis_url,
+        "--model",
+        str(model_dir),
+        "--metrics-listen",
+        "127.0.0.1:{port}",
+        "--worker-id",
+        f"{pool.value}-{{index}}-{int(time.time())}",
+        "--token-budget",
+        str(args.token_budget),
+        "--num-blocks",
+        str(args.num_blocks),
+        "--max-running",
+        str(args.max_running),
+    )
+
+
+def _wait_http(url: str, what: str, timeout_s: float, process: subprocess.Popen[Any]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise cli.UsageError(f"{what} exited with status {process.returncode} at start")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as reply:
+            if reply.status == 200:
+                return
+        time.sleep(0.2)
+    raise cli.UsageError(f"{what} did not answer {url} within {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def _redis(url: str | None) -> Iterator[str]:
+    if url is not None:
+        yield url
+        return
+    from workers.redis_util import RedisServer, RedisServerError
+
+    try:
+        server = RedisServer.start()
+    except RedisServerError as exc:
+        raise cli.UsageError(f"--redis: no URL given and {exc}") from exc
+    try:
+        logger.info("redis on %s", server.url)
+        yield server.url
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def _router(args: argparse.Namespace, redis_url: str, model_dir: Path, log: Path) -> Iterator[str]:
+    host, port = _parse_listen(args.listen)
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            _python_cli(
+                "router",
+                "--listen",
+                f"{host}:{port}",
+                "--redis",
+                redis_url,
+                "--model",
+                str(model_dir),
+                "--request-timeout-s",
+                str(args.request_timeout_s),
+            ),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://{host}:{port}"
+    try:
+        _wait_http(f"{url}/healthz", "the router", STARTUP_TIMEOUT_S, process)
+        logger.info("router on %s", url)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _store(args: argparse.Namespace, state_dir: Path) -> FileConfigStore:
+    """The config: ``--config`` (or the defaults) with the command line's overrides."""
+    try:
+        base = (
+            json.loads(Path(args.config).read_text(encoding="utf-8"))
+            if args.config
+            else ControllerConfig().to_dict()
+        )
+        if args.profile:
+            base["profile"] = args.profile
+        if args.ttft_p99_s is not None:
+            base["slo"]["ttft_p99_s"] = args.ttft_p99_s
+        if args.tpot_p99_s is not None:
+            base["slo"]["tpot_p99_s"] = args.tpot_p99_s
+        config = ControllerConfig.from_dict(base)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise cli.UsageError(f"--config: {exc}") from exc
+    except ConfigError as exc:
+        raise cli.UsageError(f"--config: {exc}") from exc
+    state_dir.mkdir(parents=True, exist_ok=True)
+    store = FileConfigStore(state_dir / CONFIG_FILE)
+    store.replace(config, expected_version=None)  # this run's config wins over a stale one
+    return store
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from controller.actuators.local import LocalProcessActuator, http_readiness
+    from controller.api import create_app, load_api_token
+    from controller.sources.scrape import ScrapeSource
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    state_dir = Path(args.state_dir)
+    store = _store(args, state_dir)
+    config = store.load().config
+    api_host, api_port = _parse_listen(args.api_listen)
+    try:
+        token = load_api_token(file=args.api_token_file)
+    except (OSError, ValueError) as exc:
+        raise cli.UsageError(f"--api-token-file: {exc}") from exc
+    model_dir = resolve_model(args.model, Path(args.model_cache)).resolve()
+    log_dir = state_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with _redis(args.redis) as redis_url, _router(
+        args, redis_url, model_dir, log_dir / "router.log"
+    ) as router_url:
+        actuator = LocalProcessActuator(
+            {
+                pool: worker_command(pool, redis_url=redis_url, model_dir=model_dir, args=args)
+                for pool in Pool
+            },
+            ports={Pool.PREFILL: args.prefill_port, Pool.DECODE: args.decode_port},
+            readiness=http_readiness("http://127.0.0.1:{port}/readyz"),
+            log_dir=log_dir,
+            grace_period_s=args.grace_period_s,
+        )
+        try:
+            for pool, limits in ((Pool.PREFILL, config.prefill), (Pool.DECODE, config.decode)):
+                actuator.scale(pool, max(limits.min_replicas, args.initial_replicas))
+            source = ScrapeSource(
+                [f"{router_url}/metrics"],
+                window_s=config.window_s,
+                burst_window_s=config.burst_window_s,
+                clock=time.time,
+            )
+            metrics = ControllerMetrics()
+            loop = ControlLoop(
+                store=store,
+                source=source,
+                actuator=actuator,
+                metrics=metrics,
+                state_dir=state_dir,
+            )
+            app = create_app(
+                store=store,
+                status=loop.status,
+                decisions=loop.decisions,
+                ready=loop.ready,
+                metrics=metrics.exposition,
+                api_token=token,
+            )
+            stop = threading.Event()
+            threading.Thread(
+                target=_scrape_every, args=(source.scrape, stop, 1.0), daemon=True
+            ).start()
+            control = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+            control.start()
+            print(
+                f"sara serve: router {router_url}  controller http://{api_host}:{api_port}  "
+                f"redis {redis_url}  logs {log_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+            try:
+                uvicorn.run(app, host=api_host, port=api_port, log_level="warning")
+            finally:
+                stop.set()
+                control.join(timeout=10)
+        finally:
+            _close(actuator)
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="the whole stack on this machine")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="router")
+    p.add_argument("--api-listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="REST API")
+    p.add_argument("--redis", metavar="URL", help="use this Redis (default: start a private one)")
+    p.add_argument("--model", default="tiny", metavar="DIR|tiny")
+    p.add_argument("--model-cache", default=str(DEFAULT_MODEL_CACHE), metavar="DIR")
+    p.add_argument("--state-dir", default=".sara/serve", metavar="DIR")
+    p.add_argument("--config", metavar="FILE", help="controller config JSON (GET /v1/config)")
+    p.add_argument("--profile", metavar="FILE|NAME", help="iteration-time profile")
+    p.add_argument("--ttft-p99-s", type=float, help="TTFT SLO (overrides the config)")
+    p.add_argument("--tpot-p99-s", type=float, help="TPOT SLO (overrides the config)")
+    p.add_argument("--initial-replicas", type=int, default=1, help="workers per pool at start")
+    p.add_argument("--prefill-port", type=int, default=9400, help="first prefill metrics port")
+    p.add_argument("--decode-port", type=int, default=9500, help="first decode metrics port")
+    p.add_argument("--token-budget", type=int, default=512, help="workers: tokens per step")
+    p.add_argument("--num-blocks", type=int, default=1024, help="workers: KV blocks")
+    p.add_argument("--max-running", type=int, default=64, help="workers: sequences per batch")
+    p.add_argument("--grace-period-s", type=float, default=60.0, help="drain time before SIGKILL")
+    p.add_argument("--request-timeout-s", type=float, default=120.0, help="router timeout")
+    p.add_argument("--api-token-file", help="bearer token for mutations (else $SARA_API_TOKEN)")
+    p.set_defaults(func=cmd_serve)
