@@ -29,6 +29,7 @@ from typing import Any
 
 from controller import cli
 from controller.actuator import Pool
+from workers.protocol import RECLAIM_MIN_IDLE_MS
 
 DEFAULT_MODEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sara"
 TINY_SEED = 0
@@ -111,6 +112,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_running=args.max_running,
             key_prefix=args.key_prefix,
+            reclaim_min_idle_ms=args.reclaim_idle_ms,
         )
     except ValueError as exc:
         raise cli.UsageError(f"--{str(exc).split(':')[0].replace('_', '-')}: {exc}") from exc
@@ -239,6 +241,12 @@ def register(sub: Any) -> None:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV-cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-running", type=int, default=64, help="sequences per batch")
+    p.add_argument(
+        "--reclaim-idle-ms",
+        type=int,
+        default=RECLAIM_MIN_IDLE_MS,
+        help="take over another worker's entry idle this long (it died)",
+    )
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("router", help="the OpenAI-compatible router")

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
-import redis
 
 pytest.importorskip("torch")
 
@@ -305,17 +304,32 @@ def test_a_request_the_router_gave_up_on_is_dropped_unserved(
     assert streams.published_tokens(rid) == []
 
 
-def test_a_worker_waits_out_a_redis_outage_and_serves_after_it(redis_url: str) -> None:
-    server_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-    worker = make_worker(Pool.PREFILL, "p0", redis_url)
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
-    client = redis.Redis(port=server_port)
-    client.execute_command("CLIENT", "KILL", "TYPE", "normal")  # every connection drops
-    s = Streams(client, KEYS)
-    (rid,) = enqueue(s, [Ask(tuple(range(1, 20)), 1)])
-    assert [e.token for e in collect(s, rid)] == reference([Ask(tuple(range(1, 20)), 1)])[0]
-    stop.set()
-    thread.join(10)
-    assert not thread.is_alive()
+def test_a_worker_waits_out_a_redis_outage_not_ready_and_serves_after_it() -> None:
+    server = RedisServer.start()
+    try:
+        worker = make_worker(Pool.PREFILL, "p0", server.url)
+        stop = threading.Event()
+        thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+        thread.start()
+        wait_until(lambda: worker.ready, "the worker to be ready")
+        server.kill()  # kill -9 of Redis
+        wait_until(lambda: not worker.ready, "the worker to notice the outage")
+        assert thread.is_alive()
+        server.restart()  # empty, on the same port: the groups are gone too
+        s = Streams(connect(server.url), KEYS)
+        ask = Ask(tuple(range(1, 20)), 1)
+        (rid,) = enqueue(s, [ask])
+        assert [e.token for e in collect(s, rid)] == reference([ask])[0]
+        assert worker.ready
+        stop.set()
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        server.stop()
+
+
+def wait_until(condition: Any, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
