@@ -130,9 +130,8 @@ def _actuator(args: argparse.Namespace) -> Actuator:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from controller.api import create_app, load_api_token
+    from controller.http_server import serve_http
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     host, port = _parse_listen(args.listen)
@@ -176,7 +175,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
             target=_scrape_every, args=(scrape, stop, 1.0), name="sara-scrape", daemon=True
         ).start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        serve_http(app, host=host, port=port)
     finally:
         stop.set()
         worker.join(timeout=10)

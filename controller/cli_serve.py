@@ -163,10 +163,9 @@ def _store(args: argparse.Namespace, state_dir: Path) -> FileConfigStore:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from controller.actuators.local import LocalProcessActuator, http_readiness
     from controller.api import create_app, load_api_token
+    from controller.http_server import serve_http
     from controller.sources.scrape import ScrapeSource
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -233,7 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 flush=True,
             )
             try:
-                uvicorn.run(app, host=api_host, port=api_port, log_level="warning")
+                serve_http(app, host=api_host, port=api_port)
             finally:
                 stop.set()
                 control.join(timeout=10)

@@ -162,8 +162,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from controller.http_server import serve_http
     from workers.router import RouterConfig, create_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(message)s")
@@ -191,7 +190,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     app = create_router_app(
         config, tokenize=tokenize, detokenize=detokenize, new_seed=lambda: secrets.randbits(63)
     )
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    serve_http(app, host=host, port=port, access_log=False)
     return 0
 
 

@@ -1,0 +1,377 @@
+"""`make demo`: the whole stack on this machine, autoscaling through a burst.
+
+1. Generates a small Llama (random weights, ~8 M parameters) and measures its
+   iteration-time profile on this CPU (`sara profile`, a reduced grid).
+2. Starts `sara serve` with it: a private Redis, the router, one prefill and one
+   decode worker, and the controller with the local actuator (SLOs: P99 TTFT
+   ``--ttft-p99`` s, P99 TPOT ``--tpot-p99`` s; a short control interval so that the
+   demo fits in minutes).
+3. Replays the Azure conversation trace with `sara load` in three phases — calm,
+   burst, calm — with lengths scaled by ``--length-scale`` to the model's context,
+   printing a progress line every few seconds: offered rate, replicas per pool
+   (current → desired), and the P99s the controller observes against the SLOs.
+4. Prints a summary table per phase and writes a PNG plot of load, replicas and
+   P99s over time; stops the stack, and checks that no process it started is left.
+
+    python -m controller.live_demo [--out DIR] [--calm-s 40] [--burst-s 75] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+# ~8 M parameters: a step's compute, not Python, dominates; still fast on one core.
+DEMO_MODEL = {
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+POLL_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    name: str
+    rate_scale: float  # of the trace's ~5.4 requests/s
+    duration_s: float
+
+
+@dataclass
+class Timeline:
+    """What the monitor saw, one row per poll."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    phase_at: list[tuple[float, str]] = field(default_factory=list)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "controller.cli", *args]
+
+
+def _get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return dict(json.loads(reply.read()))
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def prepare_model(work: Path) -> tuple[Path, Path]:
+    """The demo model's folder and its measured profile."""
+    from workers.checkpoint import tiny_config, write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint(work / "demo-model", seed=0, config=tiny_config(**DEMO_MODEL))
+    profile = work / "demo-profile.json"
+    print("measuring the model's iteration-time profile on this CPU (about 30 s)...", flush=True)
+    subprocess.run(
+        _cli(
+            "profile", "--model", str(model_dir), "--device", "cpu", "--out", str(profile),
+            "--repeats", "5", "--refine", "1", "--budget-grid", "0,64,256",
+            "--batch-grid", "0,8,32", "--context-grid", "256,1024",
+        ),
+        check=True,
+        stdout=sys.stdout,
+        stderr=subprocess.DEVNULL,
+    )
+    return model_dir, profile
+
+
+def controller_config(profile: Path, ttft_p99_s: float, tpot_p99_s: float) -> dict[str, Any]:
+    """Defaults, with a control loop fast enough for a demo of minutes."""
+    from controller.config import ControllerConfig
+
+    config = ControllerConfig().to_dict()
+    config.update(
+        profile=str(profile),
+        slo={"ttft_p99_s": ttft_p99_s, "tpot_p99_s": tpot_p99_s},
+        headroom=0.1,
+        interval_s=4.0,
+        window_s=12.0,
+        stale_after_s=30.0,
+        ema_weight=0.5,
+        burst_window_s=4.0,
+        scale_up_cooldown_s=8.0,
+        scale_down_cooldown_s=12.0,
+        scale_down_stabilisation_s=20.0,
+        prefill={"min_replicas": 1, "max_replicas": 3},
+        decode={"min_replicas": 1, "max_replicas": 2},
+    )
+    # Adapt to this machine quickly: the profile times the engine alone, the live
+    # stack adds Redis, the router and contention for two cores.
+    config["calibration"] = {**config["calibration"], "ema_weight": 0.5}
+    return config
+
+
+def monitor(api: str, timeline: Timeline, stop: threading.Event, start_s: float) -> None:
+    while not stop.wait(POLL_S):
+        status = _get_json(f"{api}/v1/status")
+        if status is None:
+            continue
+        t = time.monotonic() - start_s
+        cur, want = status.get("current") or {}, status.get("desired") or {}
+        obs = status.get("observed_p99_s") or {}
+        row = {
+            "t_s": t,
+            "raw_rate_rps": status.get("raw_rate_rps"),
+            "smoothed_rate_rps": status.get("smoothed_rate_rps"),
+            "prefill": cur.get("prefill"),
+            "decode": cur.get("decode"),
+            "prefill_desired": want.get("prefill"),
+            "decode_desired": want.get("decode"),
+            "ttft_p99_s": obs.get("prefill"),
+            "tpot_p99_s": obs.get("decode"),
+        }
+        timeline.rows.append(row)
+        phase = timeline.phase_at[-1][1] if timeline.phase_at else "-"
+        print(
+            f"t={t:5.0f}s {phase:<6} rate {_fmt(row['raw_rate_rps'], 4.1)} rps "
+            f"(smoothed {_fmt(row['smoothed_rate_rps'], 4.1)})  "
+            f"prefill {row['prefill']}→{row['prefill_desired']}  "
+            f"decode {row['decode']}→{row['decode_desired']}  "
+            f"P99 TTFT {_fmt(row['ttft_p99_s'], 5.2)} s  TPOT {_fmt(row['tpot_p99_s'], 6.3)} s",
+            flush=True,
+        )
+
+
+def _fmt(value: Any, spec: float) -> str:
+    width, digits = str(spec).split(".")
+    if not isinstance(value, int | float):
+        return "-".rjust(int(width))
+    return f"{value:{width}.{digits}f}"
+
+
+def run_phases(
+    router: str, phases: list[Phase], args: argparse.Namespace, timeline: Timeline, t0: float
+) -> list[tuple[Phase, dict[str, Any]]]:
+    reports = []
+    for phase in phases:
+        timeline.phase_at.append((time.monotonic() - t0, phase.name))
+        out = subprocess.run(
+            _cli(
+                "load", "--url", router, "--trace", str(TRACE),
+                "--rate-scale", str(phase.rate_scale), "--duration-s", str(phase.duration_s),
+                "--length-scale", str(args.length_scale), "--fit-context",
+                "--max-output-tokens", str(args.max_output_tokens),
+                "--ttft-slo", str(args.ttft_p99), "--tpot-slo", str(args.tpot_p99),
+                "--seed", str(len(reports)), "--json",
+            ),
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"sara load failed ({phase.name}): {out.stderr[-2000:]}")
+        reports.append((phase, json.loads(out.stdout)))
+    timeline.phase_at.append((time.monotonic() - t0, "end"))
+    return reports
+
+
+def summary(reports: list[tuple[Phase, dict[str, Any]]], timeline: Timeline) -> str:
+    def p99(rep: dict[str, Any], key: str) -> str:
+        pct = rep.get(key)
+        return "-" if not pct else f"{pct['p99']:.3f}"
+
+    lines = [
+        f"{'phase':<7}{'rate rps':>9}{'sent':>6}{'ok':>6}{'P99 TTFT s':>12}{'P99 TPOT s':>12}"
+        f"{'SLO met':>9}{'prefill':>9}{'decode':>8}"
+    ]
+    bounds = timeline.phase_at
+    for i, (phase, rep) in enumerate(reports):
+        lo, hi = bounds[i][0], bounds[i + 1][0]
+        rows = [r for r in timeline.rows if lo <= r["t_s"] < hi]
+        pre = [r["prefill"] for r in rows if isinstance(r["prefill"], int)]
+        dec = [r["decode"] for r in rows if isinstance(r["decode"], int)]
+        lines.append(
+            f"{phase.name:<7}{rep['offered_rate_rps']:>9.2f}{rep['requests']:>6}"
+            f"{rep['completed']:>6}{p99(rep, 'ttft_s'):>12}{p99(rep, 'tpot_s'):>12}"
+            f"{rep['slo_attainment'] * 100:>8.1f}%"
+            f"{_span(pre):>9}{_span(dec):>8}"
+        )
+    return "\n".join(lines)
+
+
+def _span(values: list[int]) -> str:
+    return "-" if not values else f"{min(values)}-{max(values)}"
+
+
+def plot(timeline: Timeline, path: Path, ttft_slo: float, tpot_slo: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = timeline.rows
+    t = [r["t_s"] for r in rows]
+
+    def series(key: str) -> list[float]:
+        return [r[key] if isinstance(r[key], int | float) else float("nan") for r in rows]
+
+    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
+    axes[0].plot(t, series("raw_rate_rps"), label="measured")
+    axes[0].plot(t, series("smoothed_rate_rps"), label="smoothed (EMA)")
+    axes[0].set_ylabel("arrivals (req/s)")
+    axes[1].step(t, series("prefill"), where="post", label="prefill")
+    axes[1].step(t, series("decode"), where="post", label="decode")
+    axes[1].set_ylabel("workers")
+    axes[2].plot(t, series("ttft_p99_s"), label="P99 TTFT")
+    axes[2].axhline(ttft_slo, color="red", linestyle="--", label="SLO")
+    axes[2].set_ylabel("seconds")
+    axes[3].plot(t, series("tpot_p99_s"), label="P99 TPOT")
+    axes[3].axhline(tpot_slo, color="red", linestyle="--", label="SLO")
+    axes[3].set_ylabel("seconds")
+    axes[3].set_xlabel("time (s)")
+    for ax in axes:
+        for start, name in timeline.phase_at[:-1]:
+            ax.axvline(start, color="grey", linewidth=0.8)
+            if ax is axes[0]:
+                ax.text(start, 0, f" {name}", va="bottom", fontsize=8)
+        ax.legend(loc="upper right", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle("sara serve: load, workers and P99 latency through a burst")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def leftovers(marker: str) -> list[int]:
+    """Processes whose command line mentions ``marker`` (this run's temp folder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="demo-out", help="where the plot and logs go")
+    parser.add_argument("--ttft-p99", type=float, default=0.8, help="TTFT SLO (s)")
+    parser.add_argument("--tpot-p99", type=float, default=0.05, help="TPOT SLO (s)")
+    parser.add_argument("--calm-rate", type=float, default=0.2, help="rate scale when calm")
+    parser.add_argument("--burst-rate", type=float, default=1.0, help="rate scale in the burst")
+    parser.add_argument("--calm-s", type=float, default=40.0)
+    parser.add_argument("--burst-s", type=float, default=75.0)
+    parser.add_argument("--after-s", type=float, default=80.0)
+    parser.add_argument("--length-scale", type=float, default=0.25)
+    parser.add_argument("--max-output-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    phases = [
+        Phase(name="calm", rate_scale=args.calm_rate, duration_s=args.calm_s),
+        Phase(name="burst", rate_scale=args.burst_rate, duration_s=args.burst_s),
+        Phase(name="after", rate_scale=args.calm_rate, duration_s=args.after_s),
+    ]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="sara-demo-") as tmp:
+        work = Path(tmp)
+        model_dir, profile = prepare_model(work)
+        config_file = work / "config.json"
+        config_file.write_text(json.dumps(controller_config(profile, args.ttft_p99, args.tpot_p99)))
+        router_port, api_port = _free_port(), _free_port()
+        router, api = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{api_port}"
+        serve_log = (out / "serve.log").open("w")
+        serve = subprocess.Popen(
+            _cli(
+                "serve", "--model", str(model_dir), "--config", str(config_file),
+                "--state-dir", str(work / "state"), "--listen", f"127.0.0.1:{router_port}",
+                "--api-listen", f"127.0.0.1:{api_port}", "--token-budget", "256",
+                "--prefill-port", str(_free_port()), "--decode-port", str(_free_port()),
+                "--grace-period-s", "20",
+            ),
+            stdout=serve_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        timeline = Timeline()
+        stop = threading.Event()
+        try:
+            _wait_ready(router, api, serve)
+            print(f"stack up: router {router}, controller {api}; logs in {out}/serve.log")
+            t0 = time.monotonic()
+            watcher = threading.Thread(target=monitor, args=(api, timeline, stop, t0), daemon=True)
+            watcher.start()
+            reports = run_phases(router, phases, args, timeline, t0)
+            # A little longer: the scale-down that follows the calm.
+            time.sleep(max(0.0, 8.0))
+        finally:
+            stop.set()
+            _stop(serve)
+            serve_log.close()
+        left = leftovers(tmp)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    print()
+    print(summary(reports, timeline))
+    png = out / "demo.png"
+    plot(timeline, png, args.ttft_p99, args.tpot_p99)
+    (out / "timeline.json").write_text(json.dumps(timeline.rows, indent=1))
+    peak = max((r["prefill"] or 0 for r in timeline.rows), default=0)
+    print(
+        f"\nplot: {png}   prefill workers peaked at {peak}; "
+        f"whole demo {time.monotonic() - started:.0f} s"
+    )
+    print(
+        "processes left behind: none"
+        if not left
+        else f"processes left behind and killed: {left}"
+    )
+    return 0 if not left else 1
+
+
+def _wait_ready(router: str, api: str, serve: subprocess.Popen[Any]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if serve.poll() is not None:
+            raise RuntimeError(f"sara serve exited with status {serve.returncode}")
+        ready = _get_json(f"{router}/readyz")
+        status = _get_json(f"{api}/v1/status")
+        if ready is not None and ready.get("ready", True) and status is not None:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("the stack did not become ready within 120 s")
+
+
+def _stop(serve: subprocess.Popen[Any]) -> None:
+    if serve.poll() is None:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
