@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint venv clean
+.PHONY: demo plan-demo test lint venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,12 @@ $(BIN)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev,workers]'
 	touch $@
 
+# The whole stack on this machine, autoscaling through a burst (about 4-5 minutes).
 demo: venv
+	$(BIN)/python -m controller.live_demo --out demo-out
+
+# Capacity planning only: solve for a real trace, check the plan in the simulator.
+plan-demo: venv
 	$(BIN)/python -m controller.demo
 
 test: venv
@@ -24,6 +29,7 @@ test: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy queueing sim workers/scheduler.py workers/kv_cache.py
+	$(BIN)/mypy --strict dashboards
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

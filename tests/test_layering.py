@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT = {"queueing", "sim", "controller", "workers"}
+PROJECT = {"queueing", "sim", "controller", "workers", "dashboards"}
 ADAPTER_LIBRARIES = {
     "torch",
     "redis",
