@@ -1,5 +1,7 @@
 """`make demo`: the whole stack on this machine, autoscaling through a burst.
 
+0. Plans capacity for the bundled Azure conversation trace and checks the plan in
+   the simulator (the table of ``controller.demo``, a few seconds).
 1. Generates a small Llama (random weights, ~8 M parameters) and measures its
    iteration-time profile on this CPU (`sara profile`, a reduced grid).
 2. Starts `sara serve` with it: a private Redis, the router, one prefill and one
@@ -224,6 +226,7 @@ def plot(timeline: Timeline, path: Path, ttft_slo: float, tpot_slo: float) -> No
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = timeline.rows
     t = [r["t_s"] for r in rows]
@@ -238,6 +241,7 @@ def plot(timeline: Timeline, path: Path, ttft_slo: float, tpot_slo: float) -> No
     axes[1].step(t, series("prefill"), where="post", label="prefill")
     axes[1].step(t, series("decode"), where="post", label="decode")
     axes[1].set_ylabel("workers")
+    axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[2].plot(t, series("ttft_p99_s"), label="P99 TTFT")
     axes[2].axhline(ttft_slo, color="red", linestyle="--", label="SLO")
     axes[2].set_ylabel("seconds")
@@ -294,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         Phase(name="after", rate_scale=args.calm_rate, duration_s=args.after_s),
     ]
     started = time.monotonic()
+    from controller import demo as planning
+
+    print("== capacity plan for the Azure conversation hour, checked in the simulator")
+    planning.main([])
+    print("\n== the live stack on this machine")
     with tempfile.TemporaryDirectory(prefix="sara-demo-") as tmp:
         work = Path(tmp)
         model_dir, profile = prepare_model(work)
