@@ -310,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     from controller import (
         cli_controller,
         cli_load,
+        cli_operator,
         cli_profile,
         cli_serve,
         cli_simulate,
@@ -318,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_simulate.register(sub, _add_slo_args)
     cli_controller.register(sub)
+    cli_operator.register(sub)
     cli_profile.register(sub)
     cli_load.register(sub)
     cli_worker.register(sub)

@@ -40,6 +40,7 @@ PURE_CORES = {
     "controller.config",
     "controller.observation",
     "controller.actuator",
+    "controller.crd",
 }
 
 
