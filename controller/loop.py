@@ -210,7 +210,12 @@ class ControlLoop:
             smoothed_rate_rps=decision.smoothed_rate_rps,
             reasons={pool: decision.reason_for(pool).value for pool in POOLS},
             solve_s=solve_s,
-            model_error=decision.model_error,
+            # The decision's error is relative (observed / predicted - 1); the metric is
+            # the ratio itself, so 1 reads as a perfect model on the dashboard.
+            model_error={
+                pool: None if error is None else 1.0 + error
+                for pool, error in decision.model_error.items()
+            },
         )
 
     def _record(self, record: TickRecord) -> TickRecord:
