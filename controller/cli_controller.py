@@ -1,9 +1,10 @@
 """`sara controller`: the control loop with its REST API, on this machine or Kubernetes.
 
     sara controller --actuator advisory --metrics-source prometheus http://127.0.0.1:9090
-    sara controller --actuator local --metrics-source scrape http://127.0.0.1:8000 \\
-        --prefill-command "python -m workers.prefill --port {port}" \\
-        --decode-command "python -m workers.decode --port {port}"
+    sara controller --actuator local --metrics-source scrape http://127.0.0.1:8000/metrics \\
+        --prefill-command "sara worker prefill --metrics-listen 127.0.0.1:{port}" \\
+        --decode-command "sara worker decode --metrics-listen 127.0.0.1:{port}" \\
+        --prefill-port 9400 --decode-port 9500
     sara controller --actuator kubernetes --namespace llm --prefill-deployment prefill \\
         --decode-deployment decode --metrics-source prometheus http://prometheus:9090
 
@@ -100,6 +101,13 @@ def _actuator(args: argparse.Namespace) -> Actuator:
             raise cli.UsageError(
                 "--prefill-command: the local actuator needs --prefill-command and --decode-command"
             )
+        from controller.actuators.local import http_readiness
+
+        ports = {
+            pool: port
+            for pool, port in ((Pool.PREFILL, args.prefill_port), (Pool.DECODE, args.decode_port))
+            if port is not None
+        }
         try:
             return LocalProcessActuator(
                 {
@@ -107,6 +115,11 @@ def _actuator(args: argparse.Namespace) -> Actuator:
                     Pool.DECODE: shlex.split(args.decode_command),
                 },
                 log_dir=Path(args.state_dir) / "logs",
+                ports=ports,
+                # A worker counts as ready once its /readyz says so (needs both ports).
+                readiness=(
+                    http_readiness("http://127.0.0.1:{port}/readyz") if len(ports) == 2 else None
+                ),
             )
         except ValueError as exc:
             raise cli.UsageError(f"--prefill-command: {exc}") from exc
@@ -218,6 +231,10 @@ def register(sub: Any) -> None:
         "({index}, {pool}, {port} are substituted)",
     )
     p.add_argument("--decode-command", help="local: command template of a decode worker")
+    p.add_argument(
+        "--prefill-port", type=int, help="local: {port} of prefill worker i is this + i"
+    )
+    p.add_argument("--decode-port", type=int, help="local: {port} of decode worker i is this + i")
     p.add_argument("--namespace", help="kubernetes: namespace of the Deployments")
     p.add_argument("--prefill-deployment", help="kubernetes: the prefill Deployment")
     p.add_argument("--decode-deployment", help="kubernetes: the decode Deployment")
