@@ -71,6 +71,8 @@ def worker_command(pool: Pool, *, redis_url: str, model_dir: Path, args: Any) ->
         str(args.num_blocks),
         "--max-running",
         str(args.max_running),
+        "--kv-transport",
+        args.kv_transport,
     )
 
 
@@ -259,6 +261,12 @@ def register(sub: Any) -> None:
     p.add_argument("--token-budget", type=int, default=512, help="workers: tokens per step")
     p.add_argument("--num-blocks", type=int, default=1024, help="workers: KV blocks")
     p.add_argument("--max-running", type=int, default=64, help="workers: sequences per batch")
+    p.add_argument(
+        "--kv-transport",
+        choices=("redis", "torch"),
+        default="redis",
+        help="workers: KV through Redis or a torch.distributed link (gloo on CPU)",
+    )
     p.add_argument("--grace-period-s", type=float, default=60.0, help="drain time before SIGKILL")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="router timeout")
     p.add_argument("--api-token-file", help="bearer token for mutations (else $SARA_API_TOKEN)")

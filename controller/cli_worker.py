@@ -130,8 +130,40 @@ def cmd_worker(args: argparse.Namespace) -> int:
         keep_finished_kv=True,
     )
     client = connect(args.redis)
-    transport = RedisKvTransport(client, key_prefix=f"{settings.key_prefix}:kv")
+    transport: Any = RedisKvTransport(client, key_prefix=f"{settings.key_prefix}:kv")
     metrics = WorkerMetrics(pool)
+    extra: dict[str, Any] = {}
+    closers: list[Any] = []
+    if args.kv_transport == "torch":
+        # NCCL between GPUs, gloo on CPU; the decode worker pulls (workers/kv_pull.py).
+        from workers.kv_pull import KvPullClient, KvPullServer
+        from workers.protocol import KeySpace
+        from workers.worker_metrics import TransferDirection
+
+        keys = KeySpace(settings.key_prefix)
+        if pool is Pool.PREFILL:
+
+            def sent(nbytes: int, seconds: float) -> None:
+                metrics.transferred(
+                    transport=server.transport.value,
+                    direction=TransferDirection.SEND,
+                    nbytes=nbytes,
+                    duration_s=seconds,
+                )
+
+            server = KvPullServer(
+                connect(args.redis), worker_id=worker_id, keys=keys, device=args.device,
+                host=args.advertise_host, on_transfer=sent,
+            ).start()  # fmt: skip
+            transport = server
+            closers.append(server)
+        else:
+            pull = KvPullClient(
+                connect(args.redis), worker_id=worker_id, keys=keys, device=args.device,
+                host=args.advertise_host,
+            )  # fmt: skip
+            extra["pull"] = pull
+            closers.append(pull)
     worker_cls: Any
     if pool is Pool.PREFILL:
         from workers.prefill_worker import PrefillWorker as worker_cls
@@ -152,6 +184,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         client=client,
         metrics=metrics,
         address=http.address,
+        **extra,
     )
     holder["worker"] = worker
     http.start()
@@ -159,6 +192,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return int(worker.run(stop))
     finally:
         http.stop()
+        for closer in closers:
+            closer.close()
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -240,6 +275,17 @@ def register(sub: Any) -> None:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV-cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-running", type=int, default=64, help="sequences per batch")
+    p.add_argument(
+        "--kv-transport",
+        choices=("redis", "torch"),
+        default="redis",
+        help="KV to decode: through Redis, or a torch.distributed link (NCCL/gloo)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="127.0.0.1",
+        help="torch transport: this worker's address as its peers reach it (pod IP)",
+    )
     p.add_argument(
         "--reclaim-idle-ms",
         type=int,

@@ -28,8 +28,9 @@ from typing import Any
 import redis
 
 from workers.engine import Engine, FinishReason, KvCacheFullError
+from workers.kv_pull import KvPullClient
 from workers.paged_attention import KvSnapshot
-from workers.protocol import DecodeRequest, Delivery, TokenEvent
+from workers.protocol import DecodeRequest, Delivery, KvTransportName, TokenEvent
 from workers.protocol import FinishReason as EventFinish
 from workers.sampling import SamplingParams
 from workers.transfer import KvTransferError, KvTransport, KvTransportUnavailableError
@@ -76,6 +77,7 @@ class DecodeWorker(Worker):
         address: str = "",
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
+        pull: KvPullClient | None = None,
     ) -> None:
         if not engine.scheduler.keep_finished_kv:
             raise ValueError("engine: a decode worker's engine must keep finished KV")
@@ -86,7 +88,8 @@ class DecodeWorker(Worker):
             kwargs["wall_clock"] = wall_clock
         super().__init__(settings, client=client, metrics=metrics, address=address, **kwargs)
         self.engine = engine
-        self.transport = transport
+        self.transport = transport  # hand-offs whose KV went through Redis
+        self.pull = pull  # hand-offs whose KV waits on their prefill worker (a torch link)
         self._pending: Delivery[DecodeRequest] | None = None  # read, not admitted yet
         self._pending_reclaimed = False
         self._held: dict[int, _Held] = {}  # by seq_id
@@ -191,7 +194,7 @@ class DecodeWorker(Worker):
         )
         if self._finished_already(held):
             return
-        kv = None if len(outputs) > 1 else self._receive(rid)
+        kv = None if len(outputs) > 1 else self._receive(msg)
         if kv is None:
             self._start_restore(held)
             return
@@ -211,19 +214,35 @@ class DecodeWorker(Worker):
         self.metrics.ended(WorkerOutcome.FINISHED)
         return True
 
-    def _receive(self, request_id: str) -> KvSnapshot | None:
+    def _receive(self, msg: DecodeRequest) -> KvSnapshot | None:
+        """The hand-off's KV, or ``None`` when it is lost (the caller recomputes it)."""
+        request_id = msg.request.request_id
         started = self.clock()
         try:
-            payload = self.transport.receive(
-                request_id, timeout_s=self.settings.kv_receive_timeout_s
-            )
+            if msg.kv_transport is KvTransportName.REDIS:
+                transport = _transport_name(self.transport)
+                payload = self.transport.receive(
+                    request_id, timeout_s=self.settings.kv_receive_timeout_s
+                )
+            elif self.pull is not None:
+                transport = self.pull.transport.value
+                payload = self.pull.receive_from(
+                    msg.prefill_worker, request_id, timeout_s=self.settings.kv_receive_timeout_s
+                )
+            else:
+                logger.warning(
+                    "KV of %s is on a %s link and this worker has none: recomputing it",
+                    request_id,
+                    msg.kv_transport.value,
+                )
+                return None
         except KvTransportUnavailableError:
             raise  # Redis is down: retried by the loop, the entry stays pending
         except KvTransferError as exc:
             logger.warning("KV of %s lost (%s): recomputing it", request_id, exc)
             return None
         self.metrics.transferred(
-            transport=_transport_name(self.transport),
+            transport=transport,
             direction=TransferDirection.RECEIVE,
             nbytes=payload.nbytes,
             duration_s=self.clock() - started,

@@ -105,7 +105,8 @@ class PrefillWorker(Worker):
 
     @property
     def idle(self) -> bool:
-        return not self._held
+        # KV parked for a pull (workers.kv_pull) must be served before the worker goes.
+        return not self._held and not getattr(self.transport, "pending", 0)
 
     def _abort(self, seq_id: int) -> None:
         self._held.pop(seq_id, None)
@@ -203,12 +204,13 @@ class PrefillWorker(Worker):
         except KvTransferError as exc:
             self.fail(held.entry_id, req.request_id, 1, f"KV transfer failed: {exc}")
             return
-        self.metrics.transferred(
-            transport=receipt.transport.value,
-            direction=TransferDirection.SEND,
-            nbytes=receipt.nbytes,
-            duration_s=receipt.duration_s,
-        )
+        if not getattr(self.transport, "deferred", False):  # else timed when it is pulled
+            self.metrics.transferred(
+                transport=receipt.transport.value,
+                direction=TransferDirection.SEND,
+                nbytes=receipt.nbytes,
+                duration_s=receipt.duration_s,
+            )
         self.streams.hand_off_to_decode(
             held.entry_id,
             DecodeRequest(

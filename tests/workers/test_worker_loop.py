@@ -333,3 +333,73 @@ def wait_until(condition: Any, what: str, timeout_s: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+# -- KV over a torch.distributed link (gloo here, NCCL on GPUs): the decode side pulls -----
+
+
+def torch_link_workers(url: str, prefill_id: str, decode_id: str) -> tuple[Worker, Worker]:
+    from workers.kv_pull import KvPullClient, KvPullServer
+
+    prefill_settings = settings(Pool.PREFILL, prefill_id)
+    server = KvPullServer(connect(url), worker_id=prefill_id, keys=KEYS).start()
+    client = connect(url)
+    prefill = PrefillWorker(
+        prefill_settings,
+        engine=tiny_engine(keep_finished_kv=True),
+        transport=server,
+        client=client,
+        metrics=WorkerMetrics(Pool.PREFILL),
+    )
+    decode_settings = settings(Pool.DECODE, decode_id, kv_receive_timeout_s=5.0)
+    dclient = connect(url)
+    decode = DecodeWorker(
+        decode_settings,
+        engine=tiny_engine(keep_finished_kv=True),
+        transport=RedisKvTransport(dclient, key_prefix=f"{PREFIX}:kv"),
+        client=dclient,
+        metrics=WorkerMetrics(Pool.DECODE),
+        pull=KvPullClient(connect(url), worker_id=decode_id, keys=KEYS),
+    )
+    return prefill, decode
+
+
+def test_kv_pulled_over_a_gloo_link_continues_exactly_and_the_link_is_reused(
+    redis_url: str, streams: Streams
+) -> None:
+    expected = reference(ASKS)
+    prefill, decode = torch_link_workers(redis_url, "p-link", "d-link")
+    running = Running(prefill, decode)
+    try:
+        ids = enqueue(streams, ASKS)
+        for rid, want in zip(ids, expected, strict=True):
+            assert [e.token for e in collect(streams, rid)] == want, rid
+        # Three hand-offs (the fourth request ends at the prefill), all on one link.
+        assert list(decode.pull._links) == ["p-link--d-link"]  # type: ignore[attr-defined]
+    finally:
+        running.join()
+        prefill.transport.close()  # type: ignore[attr-defined]
+        decode.pull.close()  # type: ignore[attr-defined]
+    received = decode.metrics.exposition().decode()
+    count = 'sara_kv_transfer_seconds_count{direction="receive",transport="gloo"} 3.0'
+    assert count in received
+
+
+def test_kv_parked_on_a_prefill_worker_that_died_is_recomputed_exactly(
+    redis_url: str, streams: Streams
+) -> None:
+    ask = Ask(tuple(range(40, 90)), 10, temperature=0.7, seed=11)
+    expected = reference([ask])
+    prefill, decode = torch_link_workers(redis_url, "p-dies", "d-live")
+    (rid,) = enqueue(streams, [ask])
+    while prefill.queue_depth() or streams.queue_depth(Pool.DECODE).total == 0:
+        prefill.maintain()
+        prefill.iterate()  # prefill, park the KV, hand off; then it dies (no pull served)
+    prefill.transport.close()  # type: ignore[attr-defined]
+    Registry(streams.client, KEYS).deregister(Pool.PREFILL, "p-dies")  # its beats stop
+    running = Running(decode)
+    try:
+        assert [e.token for e in collect(streams, rid)] == expected[0]
+    finally:
+        running.join()
+        decode.pull.close()  # type: ignore[attr-defined]
