@@ -478,6 +478,8 @@ def test_workers_get_their_pool_gpus_probes_and_drain_time(render: Render, pool:
         "cuda",
         "--metrics-listen",
         "0.0.0.0:9400",
+        "--kv-transport",
+        "redis",
     ]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
@@ -798,3 +800,33 @@ def test_the_metrics_selector_defaults_to_the_release_namespace(render: Render) 
     (scaler,) = of_kind(render_set(render, "default"), "SLOAutoscaler")
     assert scaler["spec"]["metrics"]["selector"] == f'namespace="{NAMESPACE}"'
     assert not of_kind(render_set(render, "peering-cpu"), "SLOAutoscaler")
+
+
+def test_torch_kv_transport_advertises_the_pod_ip_to_the_peers(render: Render) -> None:
+    objs = render_set(render, "external-secret-custom-gpu")
+    for pool in ("prefill", "decode"):
+        c = container(deployment(objs, pool))
+        args = c["args"]
+        assert args[args.index("--kv-transport") + 1] == "torch"
+        assert args[args.index("--advertise-host") + 1] == "$(POD_IP)"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_container_command_is_one_the_sara_cli_accepts(render: Render, name: str) -> None:
+    """The chart and the CLI must agree: each sara container's args parse with the real
+    parser (a flag the CLI lacks exits with status 2)."""
+    from controller.cli import build_parser
+
+    parser = build_parser()
+    checked = 0
+    for dep in of_kind(render_set(render, name), "Deployment"):
+        component = dep["metadata"]["labels"]["app.kubernetes.io/component"]
+        if component not in ("operator", "router", "prefill", "decode"):
+            continue
+        args = [str(a) for a in container(dep)["args"]]
+        parsed = parser.parse_args(args)
+        assert parsed.func is not None, (component, args)
+        checked += 1
+    assert checked >= 3
