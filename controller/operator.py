@@ -44,12 +44,11 @@ from typing import TYPE_CHECKING, Any, cast
 import kopf
 import urllib3
 from kubernetes import client
-from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 
 from controller import crd
-from controller.actuator import Actuator, Pool
-from controller.actuators.kubernetes import KubernetesActuator
+from controller.actuator import Actuator, ActuatorError, Pool
+from controller.actuators.kubernetes import KubernetesActuator, load_client_configuration
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop, TickRecord
 from controller.metrics import ControllerMetrics
@@ -62,10 +61,6 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 log = logging.getLogger("sara.operator")
-
-# The client's config loaders are unannotated: give them the types they are used with.
-_load_incluster_config: Callable[..., None] = kube_config.load_incluster_config
-_load_kube_config: Callable[..., None] = kube_config.load_kube_config
 
 FINALIZER = "sara.io/operator"
 REQUEST_TIMEOUT_S = 10.0
@@ -99,33 +94,10 @@ def load_configuration(
     Raises ``ConfigError`` naming what was tried. The global client configuration
     is left untouched; kopf and the Kubernetes client both use the one returned.
     """
-    configuration = client.Configuration()
     try:
-        if kubeconfig is None:
-            try:
-                _load_incluster_config(client_configuration=configuration)
-            except kube_config.ConfigException:  # not in a cluster
-                _load_kube_config(
-                    config_file=os.environ.get("KUBECONFIG") or None,
-                    context=context,
-                    client_configuration=configuration,
-                )
-        else:
-            _load_kube_config(
-                config_file=os.fspath(kubeconfig),
-                context=context,
-                client_configuration=configuration,
-            )
-    except (kube_config.ConfigException, OSError) as exc:
-        where = (
-            f"kubeconfig {os.fspath(kubeconfig)}"
-            if kubeconfig is not None
-            else "the in-cluster service account or the default kubeconfig"
-        )
-        raise ConfigError(f"--kubeconfig: no Kubernetes credentials from {where}: {exc}") from exc
-    # The actuator owns retrying (with backoff); urllib3 must not retry inside an attempt.
-    configuration.retries = False
-    return configuration
+        return load_client_configuration(kubeconfig, context)
+    except ActuatorError as exc:
+        raise ConfigError(f"--kubeconfig: {exc}") from exc
 
 
 def connection_info(configuration: client.Configuration) -> kopf.ConnectionInfo:

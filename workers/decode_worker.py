@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
-from workers.engine import Engine, FinishReason, KvCacheFullError
+from workers.engine import FinishReason, KvCacheFullError
 from workers.kv_pull import KvPullClient
 from workers.paged_attention import KvSnapshot
 from workers.protocol import DecodeRequest, Delivery, KvTransportName, TokenEvent
@@ -35,7 +32,7 @@ from workers.protocol import FinishReason as EventFinish
 from workers.sampling import SamplingParams
 from workers.transfer import KvTransferError, KvTransport, KvTransportUnavailableError
 from workers.worker import Worker, WorkerSettings
-from workers.worker_metrics import TransferDirection, WorkerMetrics, WorkerOutcome
+from workers.worker_metrics import TransferDirection, WorkerOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -67,28 +64,9 @@ class DecodeWorker(Worker):
     restore sequences are exported after they finish."""
 
     def __init__(
-        self,
-        settings: WorkerSettings,
-        *,
-        engine: Engine,
-        transport: KvTransport,
-        client: redis.Redis,
-        metrics: WorkerMetrics,
-        address: str = "",
-        clock: Callable[[], float] | None = None,
-        wall_clock: Callable[[], float] | None = None,
-        pull: KvPullClient | None = None,
+        self, settings: WorkerSettings, *, pull: KvPullClient | None = None, **kwargs: Any
     ) -> None:
-        if not engine.scheduler.keep_finished_kv:
-            raise ValueError("engine: a decode worker's engine must keep finished KV")
-        kwargs: dict[str, Any] = {}
-        if clock is not None:
-            kwargs["clock"] = clock
-        if wall_clock is not None:
-            kwargs["wall_clock"] = wall_clock
-        super().__init__(settings, client=client, metrics=metrics, address=address, **kwargs)
-        self.engine = engine
-        self.transport = transport  # hand-offs whose KV went through Redis
+        super().__init__(settings, **kwargs)
         self.pull = pull  # hand-offs whose KV waits on their prefill worker (a torch link)
         self._pending: Delivery[DecodeRequest] | None = None  # read, not admitted yet
         self._pending_reclaimed = False

@@ -20,13 +20,10 @@ prompts in one worker's backlog while another worker idles.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
-from workers.engine import Engine, FinishedRequest, FinishReason
+from workers.engine import FinishedRequest, FinishReason
 from workers.protocol import (
     DecodeRequest,
     Delivery,
@@ -39,11 +36,10 @@ from workers.sampling import SamplingParams
 from workers.transfer import (
     KvPayload,
     KvTransferError,
-    KvTransport,
     KvTransportUnavailableError,
 )
 from workers.worker import Worker, WorkerSettings
-from workers.worker_metrics import TransferDirection, WorkerMetrics, WorkerOutcome
+from workers.worker_metrics import TransferDirection, WorkerOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -58,28 +54,8 @@ class _Held:
 class PrefillWorker(Worker):
     """See the module docstring. ``engine`` must keep finished KV (``keep_finished_kv``)."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        *,
-        engine: Engine,
-        transport: KvTransport,
-        client: redis.Redis,
-        metrics: WorkerMetrics,
-        address: str = "",
-        clock: Callable[[], float] | None = None,
-        wall_clock: Callable[[], float] | None = None,
-    ) -> None:
-        if not engine.scheduler.keep_finished_kv:
-            raise ValueError("engine: a prefill worker's engine must keep finished KV")
-        kwargs: dict[str, Any] = {}
-        if clock is not None:
-            kwargs["clock"] = clock
-        if wall_clock is not None:
-            kwargs["wall_clock"] = wall_clock
-        super().__init__(settings, client=client, metrics=metrics, address=address, **kwargs)
-        self.engine = engine
-        self.transport = transport
+    def __init__(self, settings: WorkerSettings, **kwargs: Any) -> None:
+        super().__init__(settings, **kwargs)
         self._held: dict[int, _Held] = {}  # by seq_id
         self._spare_budget = True  # the last step left budget unused
 

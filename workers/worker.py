@@ -48,6 +48,7 @@ from workers.worker_metrics import WorkerMetrics, WorkerOutcome
 
 if TYPE_CHECKING:  # the engine needs torch; this module's users import it anyway
     from workers.engine import Engine, GeneratedToken
+    from workers.transfer import KvTransport
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +118,19 @@ class Worker(ABC):
         self,
         settings: WorkerSettings,
         *,
+        engine: Engine,
+        transport: KvTransport,
         client: redis.Redis,
         metrics: WorkerMetrics,
         address: str = "",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        # Both pools export or restore KV after a sequence finished: it must stay held.
+        if not engine.scheduler.keep_finished_kv:
+            raise ValueError("engine: a worker's engine must keep finished KV (keep_finished_kv)")
+        self.engine = engine
+        self.transport = transport
         self.settings = settings
         self.client = client
         self.keys = KeySpace(settings.key_prefix)

@@ -46,6 +46,45 @@ def backoff_delays_s(retries: int, backoff_s: float, max_backoff_s: float) -> li
     return [min(backoff_s * 2.0**attempt, max_backoff_s) for attempt in range(retries)]
 
 
+def load_client_configuration(
+    kubeconfig: str | os.PathLike[str] | None = None, context: str | None = None
+) -> client.Configuration:
+    """Credentials from where the process runs: ``kubeconfig`` (a path, with
+    ``context``) if given, else the pod's service account in a cluster, else
+    ``$KUBECONFIG`` / ``~/.kube/config``. ``ActuatorError`` naming what was tried when
+    none loads. The global client configuration is left untouched.
+    """
+    configuration = client.Configuration()
+    try:
+        if kubeconfig is None:
+            try:
+                _load_incluster_config(client_configuration=configuration)
+            except config.ConfigException:  # not in a cluster
+                # The client reads $KUBECONFIG once, at import: read it now instead.
+                _load_kube_config(
+                    config_file=os.environ.get("KUBECONFIG") or None,
+                    context=context,
+                    client_configuration=configuration,
+                )
+        else:
+            _load_kube_config(
+                config_file=os.fspath(kubeconfig),
+                context=context,
+                client_configuration=configuration,
+            )
+    except (config.ConfigException, OSError) as exc:
+        where = (
+            f"kubeconfig {os.fspath(kubeconfig)}"
+            if kubeconfig is not None
+            else "the in-cluster service account or the default kubeconfig"
+        )
+        raise ActuatorError(f"no Kubernetes credentials from {where}: {exc}") from exc
+    # urllib3 would otherwise retry a timed-out GET three more times inside one
+    # attempt; the retry policy (and its backoff) lives in one place: _call.
+    configuration.retries = False
+    return configuration
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Call:
     """What one API call is for, for the error messages."""
@@ -168,34 +207,7 @@ class KubernetesActuator:
         (``$KUBECONFIG`` or ``~/.kube/config``). Raises ``ActuatorError`` when none of
         them can be loaded. The global client configuration is left untouched.
         """
-        configuration = client.Configuration()
-        try:
-            if kubeconfig is None:
-                try:
-                    _load_incluster_config(client_configuration=configuration)
-                except config.ConfigException:  # not in a cluster
-                    # The client reads $KUBECONFIG once, at import: read it now instead.
-                    _load_kube_config(
-                        config_file=os.environ.get("KUBECONFIG") or None,
-                        context=context,
-                        client_configuration=configuration,
-                    )
-            else:
-                _load_kube_config(
-                    config_file=os.fspath(kubeconfig),
-                    context=context,
-                    client_configuration=configuration,
-                )
-        except (config.ConfigException, OSError) as exc:
-            where = (
-                f"kubeconfig {os.fspath(kubeconfig)}"
-                if kubeconfig is not None
-                else "the in-cluster service account or the default kubeconfig"
-            )
-            raise ActuatorError(f"no Kubernetes credentials from {where}: {exc}") from exc
-        # urllib3 would otherwise retry a timed-out GET three more times inside one
-        # attempt; the retry policy (and its backoff) lives in one place: _call.
-        configuration.retries = False
+        configuration = load_client_configuration(kubeconfig, context)
         return cls(
             namespace=namespace,
             deployments=deployments,
