@@ -58,6 +58,26 @@ def pull_key(keys: KeySpace, prefill_worker: str) -> str:
     return f"{keys.prefix}:kv:pull:{prefill_worker}"
 
 
+def _open_link(
+    client: redis.Redis,
+    keys: KeySpace,
+    link: str,
+    role: LinkRole,
+    device: torch.device,
+    host: str,
+    rendezvous_timeout_s: float,
+) -> TorchDistributedKvTransport:
+    return TorchDistributedKvTransport.connect(
+        client,
+        link_id=link,
+        role=role,
+        device=device,
+        host=host,
+        key_prefix=f"{keys.prefix}:kv",
+        rendezvous_timeout_s=rendezvous_timeout_s,
+    )
+
+
 class KvPullServer:
     """The prefill side: parks payloads, sends each when its decode worker asks."""
 
@@ -153,15 +173,10 @@ class KvPullServer:
         try:
             transport = self._links.get(link)
             if transport is None:
-                transport = TorchDistributedKvTransport.connect(
-                    self.client,
-                    link_id=link,
-                    role=LinkRole.PREFILL,
-                    device=self.device,
-                    host=self.host,
-                    key_prefix=f"{self.keys.prefix}:kv",
-                    rendezvous_timeout_s=self.rendezvous_timeout_s,
-                )
+                transport = _open_link(
+                    self.client, self.keys, link, LinkRole.PREFILL, self.device, self.host,
+                    self.rendezvous_timeout_s,
+                )  # fmt: skip
                 self._links[link] = transport
             receipt = transport.send(entry[0])
         except KvTransferError as exc:
@@ -213,15 +228,10 @@ class KvPullClient:
         try:
             transport = self._links.get(link)
             if transport is None:
-                transport = TorchDistributedKvTransport.connect(
-                    self.client,
-                    link_id=link,
-                    role=LinkRole.DECODE,
-                    device=self.device,
-                    host=self.host,
-                    key_prefix=f"{self.keys.prefix}:kv",
-                    rendezvous_timeout_s=min(timeout_s, self.rendezvous_timeout_s),
-                )
+                transport = _open_link(
+                    self.client, self.keys, link, LinkRole.DECODE, self.device, self.host,
+                    min(timeout_s, self.rendezvous_timeout_s),
+                )  # fmt: skip
                 self._links[link] = transport
             return transport.receive(request_id, timeout_s=timeout_s)
         except KvTransportUnavailableError as exc:
