@@ -24,8 +24,9 @@ static-peak, scale events per pool per hour, lost requests) and checks the issue
 acceptance criteria for ``sara``. Policies run in parallel processes
 (``--jobs``, default 2); the whole run must take under 3 minutes on 2 cores.
 ``--sensitivity`` adds variants (not part of the timed run): the threshold policy
-with a lower target or a queue-aware metric, and ``sara`` / ``sara-forecast`` with a
-60-s measurement window (a configuration change docs/backtesting.md discusses).
+with a lower target or a queue-aware metric, ``sara`` / ``sara-forecast`` with a
+60-s measurement window, ``sara`` with a 0.3 headroom and ``sara-forecast`` with a
+180-s trend window (configuration changes docs/backtesting.md discusses).
 
     .venv/bin/python bench/policy_quality.py [--jobs 2] [--markdown] [--sensitivity]
 """
@@ -138,6 +139,22 @@ def _sara_window_60(forecast: bool) -> Callable[[Trace, Scenario], BacktestPolic
     return build
 
 
+def _sara_variant(
+    label: str, *, forecast: ForecastSettings | None = None, headroom: float | None = None
+) -> Callable[[Trace, Scenario], BacktestPolicy]:
+    """sara (or sara-forecast) with a different headroom or forecaster setting."""
+
+    def build(trace: Trace, scenario: Scenario) -> BacktestPolicy:
+        config = scenario.controller_config
+        if headroom is not None:
+            config = dataclasses.replace(config, headroom=headroom)
+        policy = SaraPolicy(scenario, warm_start(trace, scenario), config=config, forecast=forecast)
+        policy.name = label
+        return policy
+
+    return build
+
+
 def _threshold(
     targets: ThresholdTargets, label: str
 ) -> Callable[[Trace, Scenario], BacktestPolicy]:
@@ -152,6 +169,10 @@ def _threshold(
 VARIANTS: dict[str, Callable[[Trace, Scenario], BacktestPolicy]] = {
     "sara w60": _sara_window_60(forecast=False),
     "sara-forecast w60": _sara_window_60(forecast=True),
+    "sara h0.3": _sara_variant("sara h0.3", headroom=0.3),
+    "sara-forecast t180": _sara_variant(
+        "sara-forecast t180", forecast=ForecastSettings(trend_window_s=180.0)
+    ),
     "threshold 0.5": _threshold(ThresholdTargets(prefill=0.5, decode=0.5), "threshold 0.5"),
     "threshold queue": _threshold(ThresholdTargets(count_queued=True), "threshold queue"),
 }

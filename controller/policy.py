@@ -8,10 +8,17 @@ One tick is a pipeline of stages, each a function returning its value and a reas
 1. validate  — missing, NaN, negative or stale measurements: hold (never scale down
                on missing data);
 2. smooth    — EMA of the arrival rate (0.7·old + 0.3·new by default); a short
-               window far above the EMA bypasses smoothing upwards (burst);
+               window far above the EMA bypasses smoothing upwards (burst), and so
+               does the measured rate while the serving workers fall behind it
+               (overload: rate beyond their capacity, or a backlog); a
+               forecast, when the caller has one, raises the planning rate (never
+               lowers it) and nothing else; the EMA itself follows measurements only;
 3. calibrate — observed / predicted P99 per pool, smoothed and bounded, tightens or
-               relaxes the targets the solver aims at;
-4. recommend — the solver at the smoothed rate with headroom;
+               relaxes the targets the solver aims at; frozen while the pool is in a
+               transient its steady-state model cannot describe (workers starting, the
+               measured rate beyond the serving workers' capacity, a backlog), and for
+               one window after it;
+4. recommend — the solver at the planning rate with headroom;
 5. safety    — a scale-down must also meet the SLOs at the *current* raw rate;
 6. dead-band — ignore relative changes below the band;
 7. stabilise — a lower recommendation must hold for the stabilisation window, and
@@ -70,9 +77,12 @@ class Reason(enum.Enum):
     RATE_INITIALISED = "rate_initialised"
     RATE_SMOOTHED = "rate_smoothed"
     BURST_DETECTED = "burst_detected"
+    OVERLOAD_DETECTED = "overload_detected"
     LENGTHS_UPDATED = "lengths_updated"
     CALIBRATED = "calibrated"
+    FORECAST_RAISED = "forecast_raised"
     CALIBRATION_SKIPPED = "calibration_skipped"
+    CALIBRATION_FROZEN = "calibration_frozen"
     RECOMMENDED = "recommended"
     SLO_INFEASIBLE = "slo_infeasible"
     SCALE_DOWN_SAFE = "scale_down_safe"
@@ -118,6 +128,7 @@ class PoolState:
     calibration: float = 1.0  # observed / predicted P99, smoothed and bounded
     predicted_p99_s: float | None = None  # at the replicas and load of the last tick
     predicted_for_replicas: int | None = None
+    transient_s: float | None = None  # the last tick that saw the pool in a transient
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +191,8 @@ class Decision:
     reasons: tuple[ReasonEntry, ...]
     raw_rate_rps: float | None = None
     smoothed_rate_rps: float | None = None
+    forecast_rate_rps: float | None = None
+    planning_rate_rps: float | None = None  # what the solver sized the pools for
     recommended: tuple[int, int] | None = None
     predicted_ttft_p99_s: float | None = None
     predicted_tpot_p99_s: float | None = None
@@ -228,6 +241,8 @@ class Decision:
             "actuate": self.actuate,
             "raw_rate_rps": self.raw_rate_rps,
             "smoothed_rate_rps": self.smoothed_rate_rps,
+            "forecast_rate_rps": self.forecast_rate_rps,
+            "planning_rate_rps": self.planning_rate_rps,
             "recommended": list(self.recommended) if self.recommended else None,
             "predicted_ttft_p99_s": self.predicted_ttft_p99_s,
             "predicted_tpot_p99_s": self.predicted_tpot_p99_s,
@@ -331,6 +346,28 @@ def smooth(
     )
 
 
+def with_forecast(
+    rate_rps: float, forecast_rate_rps: float | None
+) -> tuple[float, ReasonEntry | None]:
+    """The planning rate: the smoothed rate, raised to the forecast when it is higher.
+
+    The forecast only raises the rate the pools are sized for: the EMA keeps tracking
+    measurements, and calibration and the safety check stay on the measured rate, so
+    a forecast never biases what the controller learns about its model.
+    """
+    if forecast_rate_rps is None or not usable(forecast_rate_rps):
+        return rate_rps, None
+    if forecast_rate_rps <= rate_rps:
+        return rate_rps, None
+    return forecast_rate_rps, ReasonEntry(
+        stage=Stage.SMOOTH,
+        reason=Reason.FORECAST_RAISED,
+        pool=None,
+        detail=f"forecast {forecast_rate_rps:.3g} req/s > {rate_rps:.3g}: "
+        f"planning for the forecast",
+    )
+
+
 def choose_lengths(
     observation: Observation, state: ControllerState
 ) -> tuple[LengthSamples, ReasonEntry | None]:
@@ -369,12 +406,98 @@ def _moved(old: LengthSamples, new: LengthSamples, tolerance: float = 0.05) -> b
     return False
 
 
+def overloaded(
+    pool: str,
+    observation: Observation,
+    model: CapacityModel,
+    predicted_p99_s: float | None,
+) -> str | None:
+    """Why the pool's serving workers are falling behind, or None.
+
+    - the measured rate at or beyond what the serving workers can process (the queue
+      grows without bound, which no stationary P99 describes);
+    - (prefill) a backlog: the queue at the end of the window would take the serving
+      workers longer to clear than the whole predicted P99 TTFT (``predicted_p99_s``,
+      the last tick's), which a stationary queue shows less than 1 % of the time.
+    """
+    seen = observation.prefill if pool == "prefill" else observation.decode
+    rate = observation.arrival_rate_rps
+    if seen.ready_replicas == 0 or rate is None or not usable(rate) or rate == 0:
+        return None
+    stable = (
+        model.prefill.is_stable(workers=seen.ready_replicas, arrival_rate_rps=rate)
+        if pool == "prefill"
+        else model.decode.is_stable(workers=seen.ready_replicas, arrival_rate_rps=rate)
+    )
+    if not stable:
+        return f"{rate:.3g} req/s is beyond the capacity of {seen.ready_replicas} serving workers"
+    queue = observation.prefill_queue_depth
+    if pool == "prefill" and usable(queue) and queue is not None and predicted_p99_s is not None:
+        drain_s = queue * model.prefill.packed_service_s / seen.ready_replicas
+        if drain_s > predicted_p99_s:
+            return (
+                f"backlog of {queue:.0f} prompts takes {drain_s:.2f} s to clear "
+                f"(> the predicted P99 {predicted_p99_s:.2f} s)"
+            )
+    return None
+
+
+def transient(pool: str, observation: Observation, behind: str | None) -> str | None:
+    """Why the pool is not in the steady state its model describes, or None.
+
+    The model predicts the P99 of a pool serving a stationary load with every worker
+    up. Workers still starting (the prediction counts them, but they served nothing)
+    and serving workers falling behind (``behind``, from ``overloaded``) break that,
+    and a P99 observed during them says nothing about the model's bias.
+    """
+    seen = observation.prefill if pool == "prefill" else observation.decode
+    if seen.ready_replicas < seen.current_replicas:
+        starting = seen.current_replicas - seen.ready_replicas
+        return f"{starting} of {seen.current_replicas} workers starting"
+    return behind
+
+
+def plan_for_overload(
+    rate_rps: float,
+    measured_rps: float,
+    behind: dict[str, str | None],
+) -> tuple[float, ReasonEntry | None]:
+    """While a pool's serving workers fall behind (``behind``, from ``overloaded``),
+    plan for the measured rate when it is above the smoothed one: the EMA's lag is
+    then on the wrong side, and every tick of it adds to a backlog that the new
+    workers (after their startup) must also clear."""
+    why = "; ".join(f"{pool}: {text}" for pool, text in behind.items() if text)
+    if not why or measured_rps <= rate_rps:
+        return rate_rps, None
+    return measured_rps, ReasonEntry(
+        stage=Stage.SMOOTH,
+        reason=Reason.OVERLOAD_DETECTED,
+        pool=None,
+        detail=f"{why}: planning for the measured {measured_rps:.3g} req/s "
+        f"(smoothed {rate_rps:.3g})",
+    )
+
+
 def calibrate(
-    observation: Observation, state: ControllerState, config: ControllerConfig
-) -> tuple[dict[str, float], dict[str, float | None], list[ReasonEntry]]:
-    """New correction factors and the model error (observed / predicted - 1) per pool."""
+    observation: Observation,
+    state: ControllerState,
+    config: ControllerConfig,
+    behind: dict[str, str | None],
+    now_s: float,
+) -> tuple[dict[str, float], dict[str, float | None], dict[str, float | None], list[ReasonEntry]]:
+    """New correction factors, the model error (observed / predicted - 1) and the time
+    of the latest transient, per pool.
+
+    The observed P99 is compared with the prediction the last tick made at its
+    measured rate (never a forecast) on the same replicas. Calibration learns the
+    model's steady-state bias only: while a pool is in a transient (``transient``;
+    ``behind`` says per pool why its serving workers fall behind, if they do), and
+    for one measurement window after it (the window's P99 still holds requests that
+    queued behind it), the factor is kept as it is.
+    """
     factors: dict[str, float] = {}
     errors: dict[str, float | None] = {}
+    transients: dict[str, float | None] = {}
     entries: list[ReasonEntry] = []
     observed = {"prefill": observation.ttft_p99_s, "decode": observation.tpot_p99_s}
     current = {
@@ -388,6 +511,8 @@ def calibrate(
         predicted = pstate.predicted_p99_s
         factors[pool] = pstate.calibration
         errors[pool] = None
+        why = transient(pool, observation, behind[pool])
+        transients[pool] = now_s if why is not None else pstate.transient_s
         if (
             not usable(seen)
             or seen is None
@@ -409,6 +534,24 @@ def calibrate(
                 )
             )
             continue
+        if why is None and pstate.transient_s is not None:
+            since_s = now_s - pstate.transient_s
+            if since_s <= config.window_s:
+                why = (
+                    f"a transient {since_s:.0f} s ago is still in the "
+                    f"{config.window_s:g}-s window"
+                )
+        if why is not None:
+            entries.append(
+                ReasonEntry(
+                    stage=Stage.CALIBRATE,
+                    reason=Reason.CALIBRATION_FROZEN,
+                    pool=pool,
+                    detail=f"observed/predicted P99 {ratio:.3f} not learnt: {why}; "
+                    f"correction stays {factors[pool]:.3f}",
+                )
+            )
+            continue
         updated = (1.0 - cal.ema_weight) * pstate.calibration + cal.ema_weight * ratio
         factors[pool] = min(cal.max_factor, max(cal.min_factor, updated))
         entries.append(
@@ -419,7 +562,7 @@ def calibrate(
                 detail=f"observed/predicted P99 {ratio:.3f}; correction {factors[pool]:.3f}",
             )
         )
-    return factors, errors, entries
+    return factors, errors, transients, entries
 
 
 def recommend(
@@ -451,10 +594,15 @@ def recommend(
         result = solve(model, arrival_rate_rps=rate_rps, ca2=ca2, slo=slo, headroom=config.headroom)
     except InfeasibleSLOError as exc:
         # Best effort: plan for just above the floor that blocks the SLO, which still
-        # sizes the pools for stability and KV room, and say so.
+        # sizes the pools for stability and KV room, and say so. The solver divides
+        # its target by (1 + headroom), so the relaxed target carries that factor: the
+        # solver then aims at 1.2 x the floor whatever the headroom (without it, a
+        # headroom above 20 % would put the aim below the floor again, and the plan
+        # would fall through to the maximum).
+        above_floor = 1.2 * (1.0 + config.headroom)
         relaxed = SloTargets(
-            ttft_p99_s=max(slo.ttft_p99_s, model.prefill.floor_quantile_s(0.99) * 1.2),
-            tpot_p99_s=max(slo.tpot_p99_s, model.decode.floor_quantile_s(0.99) * 1.2),
+            ttft_p99_s=max(slo.ttft_p99_s, model.prefill.floor_quantile_s(0.99) * above_floor),
+            tpot_p99_s=max(slo.tpot_p99_s, model.decode.floor_quantile_s(0.99) * above_floor),
         )
         try:
             result = solve(
@@ -762,9 +910,15 @@ def decide(
     *,
     now_s: float,
     profile: IterationProfile | None = None,
+    forecast_rate_rps: float | None = None,
 ) -> Decision:
     """One tick. ``profile`` defaults to the built-in one named in ``config.profile``
-    (a profile file is read by the caller, since this function does no I/O)."""
+    (a profile file is read by the caller, since this function does no I/O).
+
+    ``forecast_rate_rps`` (optional, req/s) is a forecaster's rate for when a worker
+    started now would serve (a trend or a daily cycle, computed by the caller). It
+    raises the planning rate and nothing else (see ``with_forecast``); missing, NaN
+    or negative means no forecast."""
     current = {
         "prefill": observation.prefill.current_replicas,
         "decode": observation.decode.current_replicas,
@@ -798,14 +952,24 @@ def decide(
     ca2 = observation.interarrival_scv if usable(observation.interarrival_scv) else None
     ca2_value = 1.0 if ca2 is None else float(ca2)
 
-    rate, entry = smooth(observation, state, config)
-    reasons.append(entry)
     lengths, lengths_entry = choose_lengths(observation, state)
+    model = capacity_model(lengths, profile, config)
+    behind = {
+        pool: overloaded(pool, observation, model, state.pool(pool).predicted_p99_s)
+        for pool in POOLS
+    }
+
+    smoothed, entry = smooth(observation, state, config)
+    reasons.append(entry)
     if lengths_entry is not None:
         reasons.append(lengths_entry)
-    model = capacity_model(lengths, profile, config)
+    rate, maybe = plan_for_overload(smoothed, raw_rate, behind)
+    reasons.extend([maybe] if maybe else [])
+    forecast = forecast_rate_rps if usable(forecast_rate_rps) else None
+    rate, maybe = with_forecast(rate, forecast)
+    reasons.extend([maybe] if maybe else [])
 
-    factors, errors, cal_entries = calibrate(observation, state, config)
+    factors, errors, transients, cal_entries = calibrate(observation, state, config, behind, now_s)
     reasons.extend(cal_entries)
     (rec_prefill, rec_decode), aimed, entry = recommend(model, rate, ca2_value, config, factors)
     reasons.append(entry)
@@ -814,7 +978,9 @@ def decide(
     targets: dict[str, int] = {}
     pool_states: dict[str, PoolState] = {}
     for pool in POOLS:
-        pstate = replace(state.pool(pool), calibration=factors[pool])
+        pstate = replace(
+            state.pool(pool), calibration=factors[pool], transient_s=transients[pool]
+        )
         target = recommended[pool]
         cur = current[pool]
         target, maybe = safety(
@@ -886,7 +1052,7 @@ def decide(
             slo=slo_targets,
         )
     next_state = ControllerState(
-        smoothed_rate_rps=rate,
+        smoothed_rate_rps=smoothed,
         last_tick_s=now_s,
         prefill=final_states["prefill"],
         decode=final_states["decode"],
@@ -902,7 +1068,9 @@ def decide(
         state=next_state,
         reasons=tuple(reasons),
         raw_rate_rps=raw_rate,
-        smoothed_rate_rps=rate,
+        smoothed_rate_rps=smoothed,
+        forecast_rate_rps=forecast,
+        planning_rate_rps=rate,
         recommended=(rec_prefill, rec_decode),
         predicted_ttft_p99_s=at_target.prefill.p99_s,
         predicted_tpot_p99_s=at_target.decode.p99_s,

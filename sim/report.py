@@ -26,12 +26,14 @@ if TYPE_CHECKING:
 PLOTS = ("load.png", "replicas.png", "latency.png", "gpu_hours.png")
 
 # A fixed colour and line style per policy, so a policy looks the same in every plot.
+# Policies that often coincide (sara and sara-forecast; either and a static pool)
+# differ in line style too, so a line hidden under another still shows.
 _STYLE: dict[str, tuple[str, str]] = {
     "sara": ("#1f77b4", "-"),
-    "sara-forecast": ("#17becf", "-"),
+    "sara-forecast": ("#17becf", "--"),
     "oracle": ("#000000", "--"),
-    "static-peak": ("#7f7f7f", "-"),
-    "static-mean": ("#bcbd22", "-"),
+    "static-peak": ("#7f7f7f", "-."),
+    "static-mean": ("#bcbd22", "-."),
     "threshold": ("#ff7f0e", "-"),
     "throughput": ("#d62728", "-"),
     "throughput-trend": ("#9467bd", "-"),

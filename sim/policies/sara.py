@@ -6,34 +6,34 @@ and returns the decision's targets when it actuates. There is no second copy of
 the policy here: every stage (smoothing, solver, dead-band, stabilisation,
 cooldowns, rate limit, clamp) is ``decide``'s.
 
-``sara-forecast`` adds cold-start-aware forecasting on the sim side, as a rate
-adjustment fed into the observation: a new worker serves only ``startup_s`` after
-the decision, so the rate that matters is the one ``startup_s + interval_s``
-ahead. The forecaster raises the observed rate (never lowers it) to
+``sara-forecast`` adds cold-start-aware forecasting on the sim side, passed to
+``decide`` as its separate forecast input (``forecast_rate_rps``): a new worker
+serves only ``startup_s`` after the decision, so the rate that matters is the one
+``startup_s + interval_s`` ahead. The forecast is the larger of
 
 - the recent trend: a least-squares line through the arrival counts of the last
   five minutes in 30-s bins, extrapolated to the horizon, used only when its
   slope is significant (more than two standard errors above zero) and adds at
-  least 5 % over the horizon;
+  least 5 % over the horizon, and only once five minutes have been seen (before,
+  the empty bins before the start would read as a steep rise);
 - the daily cycle, once more than one period (a day by default) has been seen:
   the rate one period before the horizon, scaled by how today's current rate
   compares with the same time yesterday.
 
-The raised rate goes into both the windowed and the burst rate of the
-observation, so a forecast well above the controller's smoothed rate takes its
-burst path (planned for at once) rather than creeping in through the EMA.
+``decide`` plans for the larger of its smoothed rate and the forecast; the
+observation stays what was measured, so calibration (observed against predicted
+P99 at the measured rate) and the scale-down safety check are not biased by it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from controller.config import ControllerConfig
-from controller.observation import Observation
-from controller.policy import ControllerState, Decision, decide
+from controller.policy import ControllerState, Decision, Reason, decide
 from sim.control import observation_from, replicas_of
 from sim.policies.base import Allocation, ClusterView, Scenario
 from sim.trace import FloatArray
@@ -135,7 +135,7 @@ class SaraPolicy:
         self._scenario = scenario
         self._state = ControllerState()
         self.decisions: list[Decision] = []
-        self.forecasts = 0  # ticks on which the forecast raised the observed rate
+        self.forecasts = 0  # ticks on which the forecast raised the planning rate
 
     def tick(self, view: ClusterView) -> Allocation | None:
         cfg = self.config
@@ -143,16 +143,25 @@ class SaraPolicy:
         snap = view.snapshot(window_s=cfg.window_s)
         burst = view.snapshot(window_s=cfg.burst_window_s)
         observation = observation_from(snap, burst, now_s=now, replicas=replicas_of(snap))
-        if self.forecast is not None:
-            observation = self._forecast(view, observation)
-        decision = decide(observation, self._state, cfg, now_s=now, profile=self._scenario.profile)
+        forecast = None if self.forecast is None else self._forecast(view)
+        decision = decide(
+            observation,
+            self._state,
+            cfg,
+            now_s=now,
+            profile=self._scenario.profile,
+            forecast_rate_rps=forecast,
+        )
         self._state = decision.state
         self.decisions.append(decision)
+        if any(r.reason is Reason.FORECAST_RAISED for r in decision.reasons):
+            self.forecasts += 1
         if not decision.actuate:
             return None
         return Allocation(prefill=decision.prefill_target, decode=decision.decode_target)
 
-    def _forecast(self, view: ClusterView, observation: Observation) -> Observation:
+    def _forecast(self, view: ClusterView) -> float | None:
+        """The rate forecast for the horizon, or None when neither forecaster has one."""
         f = self.forecast
         assert f is not None
         now = view.now_s
@@ -161,18 +170,22 @@ class SaraPolicy:
             if f.horizon_s is None
             else f.horizon_s
         )
-        history = view.snapshot(window_s=f.trend_window_s).window_arrival_s
-        candidates = [
-            trend_forecast(
-                history,
-                now_s=now,
-                window_s=f.trend_window_s,
-                bin_s=f.bin_s,
-                horizon_s=horizon,
-                min_t_stat=f.min_t_stat,
-                min_rise=f.min_rise,
+        candidates: list[float | None] = []
+        # The run starts at 0: before a whole trend window has been seen, the empty
+        # bins before the start would read as a steep rise.
+        if now >= f.trend_window_s:
+            history = view.snapshot(window_s=f.trend_window_s).window_arrival_s
+            candidates.append(
+                trend_forecast(
+                    history,
+                    now_s=now,
+                    window_s=f.trend_window_s,
+                    bin_s=f.bin_s,
+                    horizon_s=horizon,
+                    min_t_stat=f.min_t_stat,
+                    min_rise=f.min_rise,
+                )
             )
-        ]
         if now >= f.period_s + f.seasonal_smoothing_s:
             day = view.snapshot(window_s=f.period_s + f.seasonal_smoothing_s).window_arrival_s
             candidates.append(
@@ -185,14 +198,4 @@ class SaraPolicy:
                     max_level_ratio=f.max_level_ratio,
                 )
             )
-        measured = observation.arrival_rate_rps
-        forecast = max((c for c in candidates if c is not None), default=None)
-        if forecast is None or measured is None or not forecast > measured:
-            return observation
-        self.forecasts += 1
-        burst = observation.burst_arrival_rate_rps
-        return replace(
-            observation,
-            arrival_rate_rps=forecast,
-            burst_arrival_rate_rps=forecast if burst is None else max(burst, forecast),
-        )
+        return max((c for c in candidates if c is not None), default=None)

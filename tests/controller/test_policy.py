@@ -25,7 +25,9 @@ from controller.policy import (
     smooth,
     stabilise,
 )
+from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
+from queueing.solver import CapacityModel, KvLink, SloTargets, solve
 from sim.trace_io import load_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +40,11 @@ LENGTHS = LengthSamples(
 CONFIG = ControllerConfig(
     profile="llama-2-70b-tp4@h100-sxm", slo=SloConfig(ttft_p99_s=1.0, tpot_p99_s=0.1)
 )
+PROFILE = resolve_profile(CONFIG.profile)
+# A lower bound on one prompt's prefill time: its tokens at the per-token cost alone
+# (no fixed cost per iteration, no attention). So N workers serve at most
+# N / MIN_PROMPT_S prompts per second, whatever the model makes of the rest.
+MIN_PROMPT_S = float(LENGTHS.prompt_tokens.mean()) * PROFILE.t_tok_s
 
 
 def observation(
@@ -50,10 +57,15 @@ def observation(
     lengths: LengthSamples | None = LENGTHS,
     ttft: float | None = None,
     tpot: float | None = None,
+    prefill_ready: int | None = None,
+    queue: float | None = None,
 ) -> Observation:
     return Observation(
         time_s=t,
-        prefill=PoolObservation(current_replicas=prefill, ready_replicas=prefill),
+        prefill=PoolObservation(
+            current_replicas=prefill,
+            ready_replicas=prefill if prefill_ready is None else prefill_ready,
+        ),
         decode=PoolObservation(current_replicas=decode, ready_replicas=decode),
         arrival_rate_rps=rate,
         burst_arrival_rate_rps=burst,
@@ -61,6 +73,7 @@ def observation(
         lengths=lengths,
         ttft_p99_s=ttft,
         tpot_p99_s=tpot,
+        prefill_queue_depth=queue,
     )
 
 
@@ -265,6 +278,170 @@ def test_state_survives_a_json_round_trip() -> None:
     assert again.to_dict() == d.state.to_dict()
 
 
+def _steady(rate: float = 8.0, workers: tuple[int, int] = (2, 1)) -> Decision:
+    """A first tick whose state carries a prediction for ``workers`` at ``rate``."""
+    return decide(observation(0.0, rate, *workers), ControllerState(), CONFIG, now_s=0.0)
+
+
+@pytest.mark.parametrize(
+    ("case", "extra"),
+    [
+        # One of the two prefill workers is still starting: it served nothing.
+        ("a worker starting", {"prefill_ready": 1}),
+        # 1.5x what two workers could serve even at the per-token cost alone.
+        ("the rate beyond the serving workers' capacity", {"rate": 1.5 * 2 / MIN_PROMPT_S}),
+        # A queue that would take the two workers twice the predicted P99 to clear.
+        ("a backlog", {"queue_x_predicted": 2.0}),
+    ],
+)
+def test_calibration_is_frozen_while_the_pool_is_in_a_transient(
+    case: str, extra: dict[str, float]
+) -> None:
+    d0 = _steady()
+    predicted = d0.state.prefill.predicted_p99_s
+    assert predicted is not None
+    queue = None
+    if "queue_x_predicted" in extra:
+        queue = math.ceil(extra["queue_x_predicted"] * predicted * 2 / MIN_PROMPT_S)
+    obs = observation(
+        30.0,
+        extra.get("rate", 8.0),
+        2,
+        1,
+        ttft=predicted * 5,  # a transient's P99, far above the steady state
+        prefill_ready=int(extra.get("prefill_ready", 2)),
+        queue=queue,
+    )
+    d1 = decide(obs, d0.state, CONFIG, now_s=30.0)
+    assert d1.state.prefill.calibration == 1.0, case
+    assert d1.model_error["prefill"] == pytest.approx(4.0)  # still reported
+    frozen = [r for r in d1.reasons if r.reason is Reason.CALIBRATION_FROZEN]
+    assert [r.pool for r in frozen] == ["prefill"], case
+
+
+def test_calibration_learns_again_one_window_after_a_transient() -> None:
+    d0 = _steady()
+    predicted = d0.state.prefill.predicted_p99_s
+    assert predicted is not None
+    seen = 2 * predicted
+    # 30 s: a worker restarting; 60 s: its window still holds the requests that queued
+    # then; 90 s: a clean window, learnt with the EMA weight 0.2.
+    d1 = decide(
+        observation(30.0, 8.0, 2, 1, ttft=seen, prefill_ready=1), d0.state, CONFIG, now_s=30.0
+    )
+    d2 = decide(observation(60.0, 8.0, 2, 1, ttft=seen), d1.state, CONFIG, now_s=60.0)
+    d3 = decide(observation(90.0, 8.0, 2, 1, ttft=seen), d2.state, CONFIG, now_s=90.0)
+    assert [d.state.prefill.calibration for d in (d1, d2)] == [1.0, 1.0]
+    ratio = seen / (d2.state.prefill.predicted_p99_s or math.nan)
+    assert d3.state.prefill.calibration == pytest.approx(0.8 * 1.0 + 0.2 * ratio)
+    assert any(r.reason is Reason.CALIBRATED and r.pool == "prefill" for r in d3.reasons)
+
+
+def test_a_forecast_raises_the_plan_to_the_solvers_answer_for_it_and_biases_nothing_else() -> (
+    None
+):
+    d0 = _steady()
+    predicted = d0.state.prefill.predicted_p99_s or math.nan
+    obs = observation(30.0, 8.0, 2, 1, ttft=1.5 * predicted)
+    plain = decide(obs, d0.state, CONFIG, now_s=30.0)
+    forecast = 24.0
+    ahead = decide(obs, d0.state, CONFIG, now_s=30.0, forecast_rate_rps=forecast)
+    # Sized for the forecast: the solver's answer at that rate (same calibration).
+    model = CapacityModel.build(
+        LENGTHS, PROFILE, tpot_slo_s=0.1, link=KvLink(bytes_per_s=400e9 / 8)
+    )
+    factor = plain.state.prefill.calibration
+    expected = solve(
+        model,
+        arrival_rate_rps=forecast,
+        ca2=1.0,
+        slo=SloTargets(ttft_p99_s=1.0 / factor, tpot_p99_s=0.1 / plain.state.decode.calibration),
+        headroom=CONFIG.headroom,
+    )
+    assert ahead.recommended == (expected.prefill_workers, expected.decode_workers)
+    assert ahead.planning_rate_rps == forecast and ahead.forecast_rate_rps == forecast
+    # ... and nothing else moved: the EMA, what calibration learnt, the prediction the
+    # next tick will calibrate against (all at the measured 8 req/s).
+    assert ahead.smoothed_rate_rps == plain.smoothed_rate_rps == pytest.approx(8.0)
+    assert ahead.raw_rate_rps == 8.0
+    for pool in ("prefill", "decode"):
+        assert ahead.state.pool(pool).calibration == plain.state.pool(pool).calibration
+        assert ahead.state.pool(pool).predicted_p99_s == plain.state.pool(pool).predicted_p99_s
+    assert ahead.state.smoothed_rate_rps == plain.state.smoothed_rate_rps
+
+
+@pytest.mark.parametrize("forecast", [4.0, math.nan, -3.0, None])
+def test_a_forecast_below_the_smoothed_rate_or_unusable_changes_nothing(
+    forecast: float | None,
+) -> None:
+    d0 = _steady()
+    obs = observation(30.0, 8.0, 2, 1)
+    plain = decide(obs, d0.state, CONFIG, now_s=30.0)
+    other = decide(obs, d0.state, CONFIG, now_s=30.0, forecast_rate_rps=forecast)
+    assert other.recommended == plain.recommended
+    assert other.planning_rate_rps == plain.smoothed_rate_rps
+    assert not any(r.reason is Reason.FORECAST_RAISED for r in other.reasons)
+
+
+def test_while_the_serving_workers_fall_behind_the_plan_follows_the_measured_rate() -> None:
+    d0 = _steady()
+    flood = 2 * 2 / MIN_PROMPT_S  # twice what two workers could ever serve
+    behind = decide(observation(30.0, flood, 2, 1), d0.state, CONFIG, now_s=30.0)
+    assert behind.planning_rate_rps == flood
+    assert behind.smoothed_rate_rps == pytest.approx(0.7 * 8.0 + 0.3 * flood)
+    assert any(r.reason is Reason.OVERLOAD_DETECTED for r in behind.reasons)
+    # The same rise on a pool with room for it: the EMA as usual.
+    roomy = decide(observation(0.0, 8.0, 40, 4), ControllerState(), CONFIG, now_s=0.0)
+    calm = decide(observation(30.0, flood, 40, 4), roomy.state, CONFIG, now_s=30.0)
+    assert calm.planning_rate_rps == pytest.approx(0.7 * 8.0 + 0.3 * flood)
+    assert not any(r.reason is Reason.OVERLOAD_DETECTED for r in calm.reasons)
+
+
+def test_a_calibration_that_makes_the_slo_infeasible_still_lets_oversized_pools_shrink() -> None:
+    # TTFT SLO 0.6 s: feasible as configured, but a correction of 2 aims at 0.3 s,
+    # below the prefill floor of the longest prompts. The plan falls back to 1.2 x
+    # the floor, and the scale-down safety check must use that same target.
+    config = replace(CONFIG, slo=SloConfig(ttft_p99_s=0.6, tpot_p99_s=0.1))
+    state = ControllerState(
+        smoothed_rate_rps=2.0, lengths=LENGTHS, prefill=PoolState(calibration=2.0)
+    )
+    first = decide(observation(0.0, 2.0, 8, 8), state, config, now_s=0.0)
+    assert any(r.reason is Reason.SLO_INFEASIBLE for r in first.reasons)
+    assert first.state.prefill.calibration == 2.0  # nothing observed: kept
+    later = decide(observation(400.0, 2.0, 8, 8), first.state, config, now_s=400.0)
+    assert later.prefill_target < 8
+    assert not any(
+        r.reason is Reason.SCALE_DOWN_UNSAFE and r.pool == "prefill" for r in later.reasons
+    )
+
+
+@pytest.mark.parametrize("headroom", [0.15, 0.5])
+def test_an_infeasible_slo_plans_for_1_2_times_the_floor_whatever_the_headroom(
+    headroom: float,
+) -> None:
+    # A TTFT SLO of 10 ms is below any prompt's prefill: the plan falls back to the
+    # fewest workers whose predicted P99 TTFT is within 1.2 x the floor, never to the
+    # maximum replicas (which a headroom above 20 % used to cause).
+    config = replace(CONFIG, headroom=headroom, slo=SloConfig(ttft_p99_s=0.01, tpot_p99_s=0.1))
+    rate = 12.0
+    d = decide(observation(0.0, rate, 4, 2), ControllerState(), config, now_s=0.0)
+    assert any(r.reason is Reason.SLO_INFEASIBLE for r in d.reasons)
+    model = CapacityModel.build(
+        LENGTHS, PROFILE, tpot_slo_s=0.1, link=KvLink(bytes_per_s=400e9 / 8)
+    )
+    aim_s = 1.2 * model.prefill.floor_quantile_s(0.99)
+    fewest = next(
+        n
+        for n in range(1, 64)
+        if model.prefill.is_stable(workers=n, arrival_rate_rps=rate)
+        and model.prefill.ttft_quantile_s(
+            workers=n, arrival_rate_rps=rate, ca2=1.0, quantile=0.99
+        )
+        <= aim_s
+    )
+    assert d.recommended is not None and d.recommended[0] == fewest
+
+
 # -- behaviour over time --------------------------------------------------------------------
 
 
@@ -378,6 +555,17 @@ def _scenarios() -> dict[Reason, Decision]:
     out[Reason.CALIBRATED] = decide(seen, steady.state, CONFIG, now_s=30.0)
     off = replace(CONFIG, calibration=replace(CONFIG.calibration, enabled=False))
     out[Reason.CALIBRATION_SKIPPED] = decide(seen, steady.state, off, now_s=30.0)
+    # A P99 observed while a worker of the pool is still starting is not learnt.
+    starting = observation(30.0, 8.0, 2, 1, ttft=2 * predicted, prefill_ready=1)
+    out[Reason.CALIBRATION_FROZEN] = decide(starting, steady.state, CONFIG, now_s=30.0)
+    out[Reason.FORECAST_RAISED] = decide(
+        observation(30.0, 8.0, 2, 1), steady.state, CONFIG, now_s=30.0, forecast_rate_rps=16.0
+    )
+    # Twice the most two workers could serve: they fall behind, the EMA's lag is skipped.
+    flood = 2 * 2 / MIN_PROMPT_S
+    out[Reason.OVERLOAD_DETECTED] = decide(
+        observation(30.0, flood, 2, 1), steady.state, CONFIG, now_s=30.0
+    )
     # Smoothed rate low, raw rate high: removing workers is unsafe at the current load.
     need = decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0).recommended or (1, 1)
     low = ControllerState(smoothed_rate_rps=0.5, lengths=LENGTHS)

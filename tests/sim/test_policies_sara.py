@@ -121,7 +121,7 @@ def test_the_daily_cycle_forecast_reads_yesterday_at_the_horizon_scaled_to_today
     )
 
 
-def test_the_forecast_only_ever_raises_the_observed_rate() -> None:
+def test_the_forecast_raises_only_the_planning_rate_and_never_the_measurements() -> None:
     trace = time_slice(
         load_trace(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv"), start_s=0, end_s=900
     )
@@ -130,8 +130,19 @@ def test_the_forecast_only_ever_raises_the_observed_rate() -> None:
     run_backtest(trace, policy, SCENARIO)
     plain = SaraPolicy(SCENARIO, Allocation(prefill=2, decode=1))
     run_backtest(trace, plain, SCENARIO)
-    # Same measurements at the first tick; afterwards the runs diverge, but every
-    # decision's raw rate is at least the window's measured rate.
-    assert policy.decisions[0].raw_rate_rps is not None
-    assert policy.decisions[0].raw_rate_rps >= (plain.decisions[0].raw_rate_rps or 0.0)
     assert policy.name == "sara-forecast" and plain.name == "sara"
+    # Same measurements at the first tick (the runs diverge once they scale differently).
+    assert policy.decisions[0].raw_rate_rps == plain.decisions[0].raw_rate_rps
+    assert policy.decisions[0].state.to_dict() == plain.decisions[0].state.to_dict()
+    for d in policy.decisions:
+        assert d.planning_rate_rps is not None and d.smoothed_rate_rps is not None
+        assert d.planning_rate_rps >= d.smoothed_rate_rps
+        if d.forecast_rate_rps is not None and d.forecast_rate_rps > d.planning_rate_rps - 1e-9:
+            assert d.planning_rate_rps == d.forecast_rate_rps
+    # No trend before five minutes of history: the empty time before the start is no rise.
+    early = [d for d in policy.decisions if (d.state.last_tick_s or 0.0) < 300.0]
+    assert early and all(d.forecast_rate_rps is None for d in early)
+    assert policy.forecasts == sum(
+        any(r.reason.value == "forecast_raised" for r in d.reasons) for d in policy.decisions
+    )
+    assert policy.forecasts > 0  # the 3x conversation ramp does trip the trend
