@@ -6,39 +6,43 @@ so on its own the prompt takes ceil(L / tau) iterations:
     S(L) = ceil(L / tau) * t0 + t_tok * L + t_attn * L (L + 1) / 2
 
 (the attention term counts causal query-key pairs, which do not depend on the
-chunking). The first token leaves the worker at the end of the last chunk, so
+chunking). The first token leaves the worker at the end of the last chunk.
 
-    TTFT = W + S
+A worker admits queued prompts at an iteration boundary whenever its running prompts
+leave budget over — at the start of a prompt's last chunk, not at its end — and
+fills the iteration with as many as fit. While prompts queue, every worker runs
+full iterations of tau tokens, D = t0 + t_tok * tau each, so it serves the queue as
+a stream of tokens: a prompt costs its share of the iterations, the packed time
+L / tau * t0 + t_tok * L + attention, and the queue drains at N / E[S_packed] - lambda.
+Stability needs lambda * E[S_packed] < N.
 
-with W the wait in the shared queue, a G/G/N queue handled by
-``queueing.ggc.ggc_wait_tail``.
+The wait is that of a G/G/N queue (``queueing.ggc.ggc_wait_tail``) in this token
+stream: P_w from the busy time per prompt (between packed and solo), the
+exponential tail's rate theta from the packed times (mean and SCV). Call it W_f, the
+time until the workers' streams reach the prompt. The iteration holding that point
+started V earlier, V uniform on [0, D) (the stream's offset within an iteration):
 
-Packing: when prompts are queued, a worker fills the rest of a prompt's last
-iteration with the next prompt's first chunk, so the fixed cost t0 is paid per
-*budget* of tokens (L / tau iterations) instead of per prompt (ceil(L / tau)). The
-busy time per prompt is therefore between the packed and the solo service time;
-the share packed is the probability that a worker finds work queued when it
-finishes a prompt, which for a FCFS queue equals the probability of waiting P_w.
-P_w is taken at the packed time (one G/G/c evaluation; the whole correction is at
-most one t0 per prompt). Stability needs only the packed time:
-lambda * E[S_packed] < N.
+* W_f >= V: the worker admits the prompt at the start of that iteration; the
+  admission wait W_f - V is again exponential (memoryless), with mass
+  P_w (1 - e^-a) / a, a = theta * D, and the prompt then needs ceil((o + L) / tau)
+  full iterations, o = V tau / D tokens ahead of it;
+* W_f < V: it arrived while that iteration was running and is admitted at its end
+  or, sooner, at another busy worker's boundary with budget to spare — after less
+  than an iteration (``_fresh_start_wait_s``); then it starts a fresh iteration, or
+  rides in another prompt's last chunk when that boundary was a last chunk's start.
 
-Sharing iterations changes a prompt's own time too (``_shared_iteration_terms``):
+The last iteration of a prompt is filled by queued work, when there is any: for a
+prompt admitted into the stream, whenever one arrived during its wait (probability
+lambda / (lambda + theta) for an exponential wait); for one that waited briefly with
+probability P_w; for one that found an idle worker with the probability that a
+boundary with budget to spare finds work queued, P_w / E[min(chunks, 2)] (waiting
+prompts are taken one per such boundary, and a prompt run alone has min(chunks, 2)
+of them).
 
-* a queued prompt is picked up by the worker that frees up first. If that worker's
-  previous prompt needed several chunks (probability p_multi, the share of prompts
-  longer than tau), the queued prompt rides in the iteration of that prompt's last
-  chunk (a tokens, from the empirical last-chunk distribution) and finishes
-  ceil((a + L) / tau) iterations later; otherwise it starts a fresh iteration;
-* when work is still queued at a prompt's last chunk, the rest of that iteration is
-  filled by the next prompt (probability P_w for a queued prompt, P_w * rho for one
-  that found a worker idle — work queues only while every worker is busy).
-
-So TTFT is S (alone), S + fill (alone, last iteration filled), or W' + S_waited
-(queued: W' the conditional wait, exponential, independent of the prompt's own
-length under FCFS). The P99 is the quantile of that mixture, computed exactly —
-not the sum of two P99s. The measured error against the simulator is in
-``docs/model.md``.
+So TTFT is S (alone), S + fill (alone, last iteration filled), a short wait + S or a
+ride (queued briefly), or W + the stream's iterations (W exponential); the P99 is the
+exact quantile of that mixture — not the sum of two P99s. The derivation and the
+measured error against the simulator are in ``docs/model.md``.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from queueing.ggc import WaitTail, ggc_wait_tail
-from queueing.lengths import FloatArray, LengthSamples, stratify
+from queueing.lengths import FloatArray, LengthSamples, Strata, stratify
 from queueing.profile import IterationProfile
 
 
@@ -69,52 +73,136 @@ def prefill_service_s(
     return result
 
 
-def _shared_iteration_terms(
-    profile: IterationProfile, lengths: FloatArray, service: FloatArray, token_budget: int
-) -> tuple[FloatArray, FloatArray, FloatArray]:
-    """Per prompt: the time from pick-up to first token of a queued prompt (without and
-    per unit of P_w), and the fill of a lone multi-chunk prompt's last iteration.
+@dataclass(frozen=True, kw_only=True)
+class _StreamTerms:
+    """Per class, a prompt admitted into a running stream of full iterations.
 
-    The worker that frees up for a queued prompt is either done with its previous
-    prompt (probability 1 - p_multi: the queued prompt starts a fresh iteration and
-    takes its solo time) or scheduling that prompt's last chunk of ``a`` tokens
-    (p_multi = the share of prompts longer than tau; ``a`` follows the empirical
-    last-chunk distribution at 8 equal-mass points). In the second case the queued
-    prompt gets tau - a tokens into that shared, full iteration and the rest in the
-    iterations after it. Either way, when work is still queued, its last iteration
-    is filled by the next prompt.
+    At a uniform offset o in [0, tau) it spans ceil((o + L) / tau) iterations: one
+    more than floor(L / tau) or two more (probability the fractional part of
+    L / tau). Each branch's time from admission to first token is
+    ``*_base_s`` plus ``*_fill_s`` when work fills the rest of its last iteration.
+    """
+
+    one_more_base_s: FloatArray
+    one_more_fill_s: FloatArray
+    two_more_base_s: FloatArray
+    two_more_fill_s: FloatArray
+    two_more_share: FloatArray
+
+
+def _weighted_means(strata: Strata, values: FloatArray, weights: FloatArray) -> FloatArray:
+    """Per class, the mean of ``values`` weighted by ``weights`` (0 where they sum to 0)."""
+    total = strata.means(weights)
+    result: FloatArray = np.divide(
+        strata.means(values * weights), total, out=np.zeros_like(total), where=total > 0
+    )
+    return result
+
+
+def _stream_terms(
+    profile: IterationProfile, lengths: FloatArray, strata: Strata, token_budget: int
+) -> _StreamTerms:
+    tau = float(token_budget)
+    whole = np.floor(lengths / tau)
+    fraction = lengths / tau - whole  # the chance of the second extra iteration
+    attention = profile.t_attn_s * lengths * (lengths + 1.0) / 2.0
+
+    def branch(iterations: FloatArray, offset: FloatArray) -> tuple[FloatArray, FloatArray]:
+        base = iterations * profile.t0_s + profile.t_tok_s * (offset + lengths) + attention
+        fill = profile.t_tok_s * (iterations * tau - offset - lengths)
+        return base, fill
+
+    # Offsets o < tau (1 - fraction) end within whole + 1 iterations, the others
+    # within whole + 2; each branch is priced at its mean offset.
+    one_base, one_fill = branch(whole + 1.0, tau * (1.0 - fraction) / 2.0)
+    two_base, two_fill = branch(whole + 2.0, tau * (1.0 - fraction / 2.0))
+    return _StreamTerms(
+        one_more_base_s=_weighted_means(strata, one_base, 1.0 - fraction),
+        one_more_fill_s=_weighted_means(strata, one_fill, 1.0 - fraction),
+        two_more_base_s=_weighted_means(strata, two_base, fraction),
+        two_more_fill_s=_weighted_means(strata, two_fill, fraction),
+        two_more_share=strata.means(fraction),
+    )
+
+
+def _ride_terms(
+    profile: IterationProfile, lengths: FloatArray, strata: Strata, token_budget: int
+) -> tuple[FloatArray, FloatArray, float]:
+    """Per class, a prompt admitted at the start of another prompt's last chunk.
+
+    The other prompt's last chunk has ``a`` tokens (the empirical last-chunk
+    distribution of multi-chunk prompts, at 8 equal-mass points); the admitted prompt
+    gets min(tau - a, L) tokens of that iteration and the rest after it. Returns its
+    time from admission to first token (the iteration it shares counted in full),
+    the fill of its last iteration, and the share of a lone worker's boundaries with
+    budget to spare that are such starts (the others are ends of prompts).
     """
     tau = float(token_budget)
-    multi = lengths > tau
-    p_multi = float(multi.mean())
-    if p_multi > 0:
-        last_chunks = lengths[multi] - (np.ceil(lengths[multi] / tau) - 1.0) * tau
-        ahead = np.quantile(last_chunks, (np.arange(8) + 0.5) / 8)[None, :]  # equal masses
-    else:
-        ahead = np.zeros((1, 1))
-    solo_iterations = np.ceil(lengths / tau)
-    # Fresh start: the solo service, and the fill of its last iteration.
-    fresh_fill = profile.t_tok_s * (solo_iterations * tau - lengths)
-    # Shared start: tau - a tokens ride in the shared iteration, the rest follows.
+    chunks = np.ceil(lengths / tau)
+    multi = chunks > 1
+    service = prefill_service_s(profile, lengths, token_budget)
+    if not multi.any():
+        fresh_fill = profile.t_tok_s * (chunks * tau - lengths)
+        return strata.means(service), strata.means(fresh_fill), 0.0
+    last_chunks = lengths[multi] - (chunks[multi] - 1.0) * tau
+    ahead = np.quantile(last_chunks, (np.arange(8) + 0.5) / 8)[None, :]
     first = np.minimum(tau - ahead, lengths[:, None])
     rest = lengths[:, None] - first
-    iterations = np.ceil(rest / tau - 1e-12)
-    pairs_left = lengths[:, None] * (lengths[:, None] + 1.0) / 2.0 - first * (first + 1.0) / 2.0
-    # The shared iteration itself (full: a + first tokens) is still ahead of the
-    # queued prompt when the worker picks it, so it counts towards its first token.
-    shared_iteration = profile.t0_s + profile.t_tok_s * (ahead + first)
-    shared_base = (
-        shared_iteration
-        + iterations * profile.t0_s
-        + profile.t_tok_s * rest
-        + profile.t_attn_s * pairs_left
-        + profile.t_attn_s * first * (first + 1.0) / 2.0
+    after = np.ceil(rest / tau - 1e-12)
+    base = (
+        (after + 1.0) * profile.t0_s
+        + profile.t_tok_s * (ahead + lengths[:, None])
+        + (profile.t_attn_s * lengths * (lengths + 1.0) / 2.0)[:, None]
     )
-    shared_fill = profile.t_tok_s * (iterations * tau - rest)
-    waited_base: FloatArray = (1.0 - p_multi) * service + p_multi * shared_base.mean(axis=1)
-    waited_per_pw: FloatArray = (1.0 - p_multi) * fresh_fill + p_multi * shared_fill.mean(axis=1)
-    fill_alone: FloatArray = np.where(multi, fresh_fill, 0.0)
-    return waited_base, waited_per_pw, fill_alone
+    fill_tokens = np.where(rest > 0, after * tau - rest, tau - ahead - first)
+    share = float(multi.mean() / np.minimum(chunks, 2.0).mean())
+    return (
+        strata.means(base.mean(axis=1)),
+        strata.means(profile.t_tok_s * fill_tokens.mean(axis=1)),
+        share,
+    )
+
+
+def _phi(x: float) -> float:
+    """(1 - e^-x) / x, the mean of e^(-x u) for u uniform on [0, 1]."""
+    return 1.0 if x == 0.0 else -math.expm1(-x) / x
+
+
+def _fresh_start_wait_s(
+    decay_rate_per_s: float, iteration_s: float, others_rate_per_s: float
+) -> tuple[float, float]:
+    """(Share of the waiting prompts admitted into a running stream, the mean wait of
+    the others), for an exponential stream wait and a uniform offset in one iteration.
+
+    With a = theta * D: the share is E[exp(-theta V)] = phi(a), phi(x) = (1 - e^-x) / x.
+    The others (W_f < V) arrived while the iteration holding their stream position
+    was running; its end comes x D later, x in (0, 1) with density proportional to
+    1 - e^(-a x). Another worker that reaches a boundary with budget to spare first
+    admits them sooner: those boundaries come at ``others_rate_per_s`` (Poisson, as a
+    superposition of many workers' boundaries), b = that * D, so the mean wait is
+
+        D * E[(1 - e^(-b x)) / b] = D (1 - phi(a) - phi(b) + phi(a + b)) / (b (1 - phi(a))),
+
+    which for b -> 0 falls from 2D/3 (a -> 0) to D/2 (a -> infinity).
+    """
+    a = decay_rate_per_s * iteration_s
+    b = others_rate_per_s * iteration_s
+    if a < 1e-4:
+        # First order in a, where 1 - phi(a) would lose its digits: the density of x
+        # is then 2x (1 + a/3 - a x / 2), so E[h] = 2 E0[x h] + a (2 E0[x h] / 3 - E0[x^2 h])
+        # with h(x) = (1 - e^(-b x)) / b and E0 over u on [0, 1].
+        share = 1.0 - a / 2.0 + a * a / 6.0
+        if b < 1e-3:
+            return share, iteration_s * (2.0 / 3.0 - b / 4.0 + b * b / 15.0 - a / 36.0)
+        e = math.exp(-b)
+        x_h = (0.5 - (-math.expm1(-b) - b * e) / b**2) / b
+        x2_h = (1.0 / 3.0 - (2.0 - e * (b * b + 2.0 * b + 2.0)) / b**3) / b
+        return share, iteration_s * (2.0 * x_h + a * (2.0 * x_h / 3.0 - x2_h))
+    share = _phi(a)
+    others = 1.0 - share
+    if b < 1e-6:
+        return share, iteration_s * (1.0 + 1.0 / a - 1.0 / (2.0 * others))
+    return share, iteration_s * (others - _phi(b) + _phi(a + b)) / (b * others)
 
 
 class UnstableQueueError(ValueError):
@@ -125,18 +213,24 @@ class UnstableQueueError(ValueError):
 class PrefillModel:
     """The prefill pool's service-time distribution, reduced to sorted classes.
 
-    ``service_s`` (ascending) and ``weights`` are the classes; ``mean_service_s`` and
-    ``service_scv`` are exact over all samples.
+    ``service_s`` (ascending) and ``weights`` are the classes; ``mean_service_s``,
+    ``packed_service_s`` and the SCVs are exact over all samples.
     """
 
     service_s: FloatArray
-    fill_alone_s: FloatArray  # a multi-chunk prompt's last iteration filled by queued work
-    waited_base_s: FloatArray  # span of a prompt that waited, without the P_w term
-    waited_per_pw_s: FloatArray  # ... plus this times P_w (the next prompt's chunk)
+    fill_alone_s: FloatArray  # a lone multi-chunk prompt's last iteration filled
+    fresh_fill_s: FloatArray  # the fill of a prompt's last iteration from a fresh start
+    stream: _StreamTerms
+    ride_base_s: FloatArray  # admitted at the start of another prompt's last chunk
+    ride_fill_s: FloatArray  # ... and the fill of its last iteration
+    ride_share: float  # of the boundaries with budget to spare, last-chunk starts
     weights: FloatArray
     mean_service_s: float
     packed_service_s: float
     service_scv: float
+    packed_scv: float
+    iteration_s: float  # D: one full iteration of tau tokens
+    spare_boundaries: float  # per prompt run alone: boundaries with budget to spare
     token_budget: int
     _floors: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
 
@@ -144,23 +238,32 @@ class PrefillModel:
     def build(
         cls, samples: LengthSamples, profile: IterationProfile, *, token_budget: int
     ) -> PrefillModel:
-        service = prefill_service_s(profile, samples.prompt_tokens.astype(np.float64), token_budget)
-        strata = stratify(service)
-        mean = float(service.mean())
         lengths = samples.prompt_tokens.astype(np.float64)
-        iterations_saved = np.ceil(lengths / token_budget) - lengths / token_budget
-        waited_base, waited_per_pw, fill_alone = _shared_iteration_terms(
-            profile, lengths, service, token_budget
-        )
+        service = prefill_service_s(profile, lengths, token_budget)
+        strata = stratify(service)
+        iterations = np.ceil(lengths / token_budget)
+        fresh_fill = profile.t_tok_s * (iterations * token_budget - lengths)
+        packed = service - profile.t0_s * (iterations - lengths / token_budget)
+        mean = float(service.mean())
+        packed_mean = float(packed.mean())
+        ride_base, ride_fill, ride_share = _ride_terms(profile, lengths, strata, token_budget)
         return cls(
             service_s=strata.means(service),
-            fill_alone_s=strata.means(fill_alone),
-            waited_base_s=strata.means(waited_base),
-            waited_per_pw_s=strata.means(waited_per_pw),
+            fill_alone_s=strata.means(np.where(lengths > token_budget, fresh_fill, 0.0)),
+            fresh_fill_s=strata.means(fresh_fill),
+            stream=_stream_terms(profile, lengths, strata, token_budget),
+            ride_base_s=ride_base,
+            ride_fill_s=ride_fill,
+            ride_share=ride_share,
             weights=strata.weights,
             mean_service_s=mean,
-            packed_service_s=mean - profile.t0_s * float(iterations_saved.mean()),
+            packed_service_s=packed_mean,
             service_scv=float(service.var() / (mean * mean)),
+            packed_scv=float(packed.var() / (packed_mean * packed_mean)),
+            iteration_s=profile.t0_s + profile.t_tok_s * token_budget,
+            # A lone prompt leaves budget over at the start of its last chunk and at
+            # its end: min(chunks, 2) boundaries.
+            spare_boundaries=float(np.minimum(iterations, 2.0).mean()),
             token_budget=token_budget,
         )
 
@@ -178,6 +281,16 @@ class PrefillModel:
         """The fewest workers that can keep up: lambda * E[S_packed] < N."""
         return max(1, math.floor(arrival_rate_rps * self.packed_service_s) + 1)
 
+    def _stream_tail(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> WaitTail:
+        """The G/G/N tail at the packed times: how the queue drains while it is non-empty."""
+        return ggc_wait_tail(
+            arrival_rate_rps=arrival_rate_rps,
+            mean_service_s=self.packed_service_s,
+            servers=workers,
+            ca2=ca2,
+            cs2=self.packed_scv,
+        )
+
     def busy_service_s(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> float:
         """Mean busy time per prompt: packed + (1 - P_w) * (solo - packed).
 
@@ -186,68 +299,100 @@ class PrefillModel:
         a small fraction of that. Near saturation the busy time is kept below
         N / lambda (there P_w -> 1 and it tends to packed anyway).
         """
-        packed = self.packed_service_s
-        p_wait = ggc_wait_tail(
-            arrival_rate_rps=arrival_rate_rps,
-            mean_service_s=packed,
-            servers=workers,
-            ca2=ca2,
-            cs2=self.service_scv,
+        p_wait = self._stream_tail(
+            workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
         ).wait_probability
+        return self._busy_s(workers=workers, arrival_rate_rps=arrival_rate_rps, p_wait=p_wait)
+
+    def _busy_s(self, *, workers: int, arrival_rate_rps: float, p_wait: float) -> float:
+        packed = self.packed_service_s
         busy_s = packed + (1.0 - p_wait) * (self.mean_service_s - packed)
         ceiling_s = packed + 0.5 * (workers / arrival_rate_rps - packed)
         return min(busy_s, ceiling_s)
 
     def wait_tail(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> WaitTail:
-        """Tail of the queueing wait; raises ``UnstableQueueError`` when overloaded."""
-        return self._tail_and_busy(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)[0]
-
-    def _tail_and_busy(
-        self, *, workers: int, arrival_rate_rps: float, ca2: float
-    ) -> tuple[WaitTail, float]:
+        """Tail of the stream wait W_f: P_w at the busy time, the rate at the packed
+        times. Raises ``UnstableQueueError`` when overloaded."""
         if not self.is_stable(workers=workers, arrival_rate_rps=arrival_rate_rps):
             raise UnstableQueueError(
                 f"prefill_workers: {workers} workers cannot serve "
                 f"{arrival_rate_rps:.4g} req/s of {self.packed_service_s:.4g} s prompts"
             )
-        busy_s = self.busy_service_s(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
-        tail = ggc_wait_tail(
+        stream = self._stream_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
+        busy_s = self._busy_s(
+            workers=workers, arrival_rate_rps=arrival_rate_rps, p_wait=stream.wait_probability
+        )
+        p_wait = ggc_wait_tail(
             arrival_rate_rps=arrival_rate_rps,
             mean_service_s=busy_s,
             servers=workers,
             ca2=ca2,
             cs2=self.service_scv,
-        )
-        return tail, busy_s
+        ).wait_probability
+        return WaitTail(wait_probability=p_wait, decay_rate_per_s=stream.decay_rate_per_s)
 
     def _atoms(
         self, *, workers: int, arrival_rate_rps: float, ca2: float
     ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
         """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
 
-        Three groups per class: served alone, served alone but with the last iteration
-        filled by queued work, and queued (probability P_w; plus the exponential
-        conditional wait). A lone prompt's last iteration is filled when work is
-        queued at that moment: probability P_w * rho, the M/M/c chance of a
-        non-empty queue (waiting work exists only while every worker is busy).
+        Six groups per class: alone; alone with its last iteration filled by work
+        queued at the start of its last chunk; queued briefly (an atom at the mean
+        short wait), then started fresh, or riding in another prompt's last chunk when
+        another worker's boundary admitted it; and queued into the stream, ending
+        after one or two extra iterations, plus the exponential admission wait.
         """
-        tail, busy_s = self._tail_and_busy(
-            workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
-        )
+        tail = self.wait_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
         pw = tail.wait_probability
-        filled = pw * min(1.0, arrival_rate_rps * busy_s / workers)
+        theta = tail.decay_rate_per_s
+        # The other busy workers' boundaries with budget to spare, E[min(n, 2)] per S.
+        others_per_s = (workers - 1) * self.spare_boundaries / self.mean_service_s
+        share, short_wait_s = _fresh_start_wait_s(theta, self.iteration_s, others_per_s)
+        # Another worker admits it first with probability b E[(1 - e^-bx) / b] =
+        # others_per_s * short_wait_s; at the start of a last chunk in ride_share of cases.
+        rides = min(1.0, others_per_s * short_wait_s) * self.ride_share
+        # Waiting prompts are taken at boundaries with budget to spare, one each, so
+        # such a boundary finds work queued with probability P_w / E[min(n, 2)].
+        filled = pw / self.spare_boundaries
+        # A prompt that waited has behind it whatever arrived during its wait.
+        stream_filled = arrival_rate_rps / (arrival_rate_rps + theta)
         w = self.weights
+        s = self.stream
         zeros = np.zeros_like(w)
         values = np.concatenate(
             [
                 self.service_s,
                 self.service_s + self.fill_alone_s,
-                self.waited_base_s + pw * self.waited_per_pw_s,
+                self.service_s + short_wait_s + pw * self.fresh_fill_s,
+                self.ride_base_s + short_wait_s + pw * self.ride_fill_s,
+                s.one_more_base_s + stream_filled * s.one_more_fill_s,
+                s.two_more_base_s + stream_filled * s.two_more_fill_s,
             ]
         )
-        no_wait = np.concatenate([w * (1.0 - pw) * (1.0 - filled), w * (1.0 - pw) * filled, zeros])
-        with_wait = np.concatenate([zeros, zeros, w * pw])
-        return values, no_wait, with_wait, tail.decay_rate_per_s
+        queued = w * pw
+        briefly = queued * (1.0 - share)
+        no_wait = np.concatenate(
+            [
+                w * (1.0 - pw) * (1.0 - filled),
+                w * (1.0 - pw) * filled,
+                briefly * (1.0 - rides),
+                briefly * rides,
+                zeros,
+                zeros,
+            ]
+        )
+        in_stream = queued * share
+        with_wait = np.concatenate(
+            [
+                zeros,
+                zeros,
+                zeros,
+                zeros,
+                in_stream * (1.0 - s.two_more_share),
+                in_stream * s.two_more_share,
+            ]
+        )
+        return values, no_wait, with_wait, theta
 
     def ttft_survival(
         self, *, workers: int, arrival_rate_rps: float, ca2: float, ttft_s: float

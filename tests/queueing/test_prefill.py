@@ -9,7 +9,13 @@ import pytest
 
 from queueing.ggc import WaitTail
 from queueing.lengths import LengthSamples
-from queueing.prefill import PrefillModel, prefill_service_s, quantile_of_sum, survival_of_sum
+from queueing.prefill import (
+    PrefillModel,
+    _fresh_start_wait_s,
+    prefill_service_s,
+    quantile_of_sum,
+    survival_of_sum,
+)
 from queueing.profile import IterationProfile
 
 
@@ -79,3 +85,67 @@ def test_the_mean_service_time_is_exact_over_all_samples(
     service = prefill_service_s(profile, samples.prompt_tokens.astype(np.float64), 1024)
     assert model.mean_service_s == pytest.approx(float(service.mean()), rel=1e-12)
     assert float((model.weights * model.service_s).sum()) == pytest.approx(model.mean_service_s)
+
+
+@pytest.mark.parametrize("theta_per_s", [2.0, 20.0, 80.0])
+def test_the_stream_share_and_the_fresh_start_wait_agree_with_monte_carlo(
+    theta_per_s: float,
+) -> None:
+    # W_f ~ Exp(theta), V ~ U(0, D): a prompt joins the running stream when W_f >= V;
+    # otherwise it waits D - V + W_f for the running iteration to end.
+    iteration_s = 0.05
+    share, wait_s = _fresh_start_wait_s(theta_per_s, iteration_s, 0.0)
+    rng = np.random.default_rng(5)
+    n = 400_000
+    w = rng.exponential(1.0 / theta_per_s, n)
+    v = rng.uniform(0.0, iteration_s, n)
+    joins = w >= v
+    assert share == pytest.approx(float(joins.mean()), abs=4 * math.sqrt(0.25 / n))
+    fresh = iteration_s - v[~joins] + w[~joins]
+    half_width = 4 * float(fresh.std()) / math.sqrt(fresh.size)
+    assert wait_s == pytest.approx(float(fresh.mean()), abs=half_width)
+
+
+def test_the_fresh_start_wait_runs_from_two_thirds_to_half_an_iteration() -> None:
+    iteration_s = 0.05
+    waits = [_fresh_start_wait_s(theta, iteration_s, 0.0) for theta in np.geomspace(1e-6, 1e6, 400)]
+    shares = np.array([share for share, _ in waits])
+    means = np.array([wait for _, wait in waits])
+    assert means[0] == pytest.approx(2 * iteration_s / 3, rel=1e-6)
+    assert means[-1] == pytest.approx(iteration_s / 2, rel=1e-4)
+    assert np.all(np.diff(shares) < 0) and np.all(np.diff(means) <= 1e-15)
+    # The series used for tiny theta * D meets the exact form where it takes over.
+    below = _fresh_start_wait_s(0.999e-4 / iteration_s, iteration_s, 0.0)
+    above = _fresh_start_wait_s(1.001e-4 / iteration_s, iteration_s, 0.0)
+    assert below == pytest.approx(above, rel=1e-6)
+
+
+def test_a_prompt_joining_the_stream_spans_its_packed_share_plus_one_iteration(
+    samples: LengthSamples, profile: IterationProfile
+) -> None:
+    # Uniform offset o: E[ceil((o + L) / tau)] = L / tau + 1 full iterations of D.
+    budget = 1024
+    model = PrefillModel.build(samples, profile, token_budget=budget)
+    s = model.stream
+    filled = (1 - s.two_more_share) * (s.one_more_base_s + s.one_more_fill_s) + s.two_more_share * (
+        s.two_more_base_s + s.two_more_fill_s
+    )
+    lengths = samples.prompt_tokens.astype(np.float64)
+    iteration_s = profile.t0_s + profile.t_tok_s * budget
+    expected = (lengths / budget + 1) * iteration_s + profile.t_attn_s * lengths * (lengths + 1) / 2
+    assert float((model.weights * filled).sum()) == pytest.approx(float(expected.mean()))
+    # Over its offset, joining the stream never beats running the prompt alone.
+    unfilled = (1 - s.two_more_share) * s.one_more_base_s + s.two_more_share * s.two_more_base_s
+    assert np.all(unfilled >= model.service_s * (1 - 1e-12))
+
+
+def test_while_prompts_queue_the_wait_decays_at_the_packed_drain_rate(
+    samples: LengthSamples, profile: IterationProfile
+) -> None:
+    model = PrefillModel.build(samples, profile, token_budget=2048)
+    workers, ca2 = 4, 2.0
+    rate = 0.8 * workers / model.mean_service_s
+    tail = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=ca2)
+    z = (ca2 + model.packed_scv) / 2
+    drain_per_s = workers / model.packed_service_s - rate
+    assert tail.decay_rate_per_s == pytest.approx(drain_per_s / z, rel=1e-12)
