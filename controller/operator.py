@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import os
 import threading
@@ -52,6 +53,7 @@ from controller.actuators.kubernetes import KubernetesActuator, load_client_conf
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop, TickRecord
 from controller.metrics import ControllerMetrics
+from controller.policy import ControllerState
 from controller.sources.base import ObservationSource
 from controller.store import VersionConflictError, VersionedConfig, config_version
 from queueing.catalog import resolve_profile
@@ -327,6 +329,30 @@ def prometheus_source(spec: crd.AutoscalerSpec) -> ObservationSource:
     )
 
 
+def _policy_state_json(state: ControllerState) -> str:
+    """The loop's memory for the status, without the length samples (the next window
+    measures them again; they would make every status patch kilobytes larger)."""
+    data = state.to_dict()
+    data["lengths"] = None
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def _policy_state_from(
+    namespace: str, name: str, status: Mapping[str, Any] | None
+) -> ControllerState | None:
+    raw = (status or {}).get("policyState")
+    if not isinstance(raw, str) or not raw:
+        return None
+    try:
+        return ControllerState.from_dict(json.loads(raw))
+    except (ValueError, TypeError, KeyError) as exc:
+        # A damaged record costs the history, not the loop: start fresh (which holds).
+        log.warning(
+            "%s/%s: status.policyState unreadable (%s); starting fresh", namespace, name, exc
+        )
+        return None
+
+
 class AutoscalerRunner:
     """One resource's control loop without kopf: ``tick(body)`` does a whole tick.
 
@@ -399,7 +425,7 @@ class AutoscalerRunner:
             except ConfigError as exc:
                 return self._reject(exc, previous, generation)
             self._invalid = None
-            loop = self._bind(spec)
+            loop = self._bind(spec, previous)
             try:
                 record = loop.tick()
             except InfeasibleSLOError as exc:
@@ -416,6 +442,7 @@ class AutoscalerRunner:
                 record, generation=generation, previous=previous, now=self._wall_clock()
             )
             notices = crd.notices_for(record, _conditions(previous), status["conditions"])
+            status["policyState"] = _policy_state_json(loop.state)
             self._write(status)
             return TickOutcome(
                 record=record, status=status, notices=notices, interval_s=spec.config.interval_s
@@ -434,7 +461,7 @@ class AutoscalerRunner:
         interval_s = self._snapshot.load().config.interval_s if self._snapshot else 30.0
         return TickOutcome(record=None, status=status, notices=notices, interval_s=interval_s)
 
-    def _bind(self, spec: crd.AutoscalerSpec) -> ControlLoop:
+    def _bind(self, spec: crd.AutoscalerSpec, previous: Mapping[str, Any] | None) -> ControlLoop:
         bindings = _Bindings.of(spec)
         if self._loop is None or self._snapshot is None:
             self._snapshot = _SpecSnapshot(spec.config)
@@ -446,6 +473,11 @@ class AutoscalerRunner:
                 clock=self._clock,
                 profile_loader=resolve_profile,  # a cluster has no profile files
             )
+            # A restarted operator resumes the loop's memory from the status: its
+            # cooldowns and stabilisation windows hold, the EMA carries on.
+            restored = _policy_state_from(self.namespace, self.name, previous)
+            if restored is not None:
+                self._loop.state = restored
         else:
             self._snapshot.set(spec.config)
             if bindings != self._bindings:

@@ -935,3 +935,33 @@ def test_bad_arguments_are_usage_errors_that_name_the_flag(
     code, _, err = run_cli(capsys, "operator", *argv)
     assert code == 2
     assert err.startswith(f"sara: {message}")
+
+
+def test_a_restarted_operator_resumes_the_loops_memory_from_the_status(
+    kube: Kube, source: ScriptedSource
+) -> None:
+    kube.create(spec(emaWeight=0.5, scaleDownCooldownSeconds=600))
+    first = runner_for(kube, source)
+    first.tick(kube.get())  # 120 req/s: the EMA starts there, both pools scale up
+    scaled = kube.replicas()
+    assert scaled == expected_replicas(120.0, ttft_p99_s=2.0)
+    assert json.loads(kube.get()["status"]["policyState"])["smoothed_rate_rps"] == 120.0
+    first.close()
+
+    source.rate_rps = 40.0
+    restarted = runner_for(kube, source)  # a new operator process: nothing in memory
+    outcome = restarted.tick(kube.get())
+    # The EMA carries on from 120 (a fresh loop would start at 40), and the scale-down
+    # cooldown started by the first process still holds (a fresh loop has none).
+    assert outcome.status["arrivalRateRps"] == pytest.approx(0.5 * 120.0 + 0.5 * 40.0)
+    assert kube.replicas() == scaled
+
+
+def test_an_unreadable_policy_state_starts_fresh(kube: Kube, source: ScriptedSource) -> None:
+    kube.create(spec(emaWeight=0.5))
+    runner_for(kube, source).tick(kube.get())
+    body = kube.get()
+    body["status"]["policyState"] = "{not json"
+    source.rate_rps = 40.0
+    outcome = runner_for(kube, source).tick(body)
+    assert outcome.status["arrivalRateRps"] == pytest.approx(40.0)
