@@ -81,6 +81,16 @@ def load_lengths_arg(path: str) -> LengthSamples:
         raise UsageError(f"--lengths: {exc}") from exc
 
 
+def parse_listen(flag: str, value: str, *, any_port: bool = False) -> tuple[str, int]:
+    """``HOST:PORT`` (an empty host is loopback); ``any_port`` also allows 0 (the OS
+    picks one). ``UsageError`` naming ``flag`` otherwise."""
+    host, sep, port = value.rpartition(":")
+    low = 0 if any_port else 1
+    if not sep or not port.isdigit() or not low <= int(port) < 65536:
+        raise UsageError(f"{flag}: expected HOST:PORT, got {value!r}")
+    return host or "127.0.0.1", int(port)
+
+
 def _positive(name: str, value: float | None) -> None:
     if value is not None and not (math.isfinite(value) and value > 0):
         raise UsageError(f"{name}: must be a number > 0, got {value}")

@@ -36,13 +36,6 @@ from controller.store import FileConfigStore
 CONFIG_FILE = "config.json"
 
 
-def _parse_listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not (0 < int(port) < 65536):
-        raise cli.UsageError(f"--listen: expected HOST:PORT, got {value!r}")
-    return host or "127.0.0.1", int(port)
-
-
 def _store(args: argparse.Namespace) -> FileConfigStore:
     state_dir = Path(args.state_dir)
     path = state_dir / CONFIG_FILE
@@ -143,11 +136,10 @@ def _actuator(args: argparse.Namespace) -> Actuator:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from controller.api import create_app, load_api_token
-    from controller.http_server import serve_http
+    from controller.api import load_api_token
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    host, port = _parse_listen(args.listen)
+    host, port = cli.parse_listen("--listen", args.listen)
     store = _store(args)
     config = store.load().config
     source = _source(args, config)
@@ -169,18 +161,30 @@ def cmd_controller(args: argparse.Namespace) -> int:
         print(json.dumps(record.as_dict(), indent=2, default=str))
         _close(actuator)
         return 0 if record.error is None else 1
+    try:
+        run_with_api(loop, token=token, host=host, port=port)
+    finally:
+        _close(actuator)
+    return 0
+
+
+def run_with_api(loop: ControlLoop, *, token: str | None, host: str, port: int) -> None:
+    """The control loop in a thread, its REST API in this one, until SIGTERM/SIGINT."""
+    from controller.api import create_app
+    from controller.http_server import serve_http
+
     app = create_app(
-        store=store,
+        store=loop.store,
         status=loop.status,
         decisions=loop.decisions,
         ready=loop.ready,
-        metrics=metrics.exposition,
+        metrics=loop.metrics.exposition,
         api_token=token,
     )
     stop = threading.Event()
     worker = threading.Thread(target=loop.run, args=(stop,), name="sara-control-loop", daemon=True)
     worker.start()
-    scrape = getattr(source, "scrape", None)
+    scrape = getattr(loop.source, "scrape", None)
     if callable(scrape):
         # The scrape source needs snapshots between ticks (about one a second) for the
         # burst window and the inter-arrival SCV; Prometheus keeps its own history.
@@ -192,8 +196,6 @@ def cmd_controller(args: argparse.Namespace) -> int:
     finally:
         stop.set()
         worker.join(timeout=10)
-        _close(actuator)
-    return 0
 
 
 def _scrape_every(scrape: Any, stop: threading.Event, period_s: float) -> None:

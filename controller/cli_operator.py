@@ -30,13 +30,6 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 log = logging.getLogger("sara.operator")
 
 
-def _listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not (0 < int(port) < 65536):
-        raise cli.UsageError(f"--api-listen: expected HOST:PORT, got {value!r}")
-    return host or "127.0.0.1", int(port)
-
-
 def _resource(value: str) -> tuple[str, str]:
     namespace, sep, name = value.partition("/")
     if not sep or not _DNS_LABEL.fullmatch(namespace) or not _DNS_SUBDOMAIN.fullmatch(name):
@@ -66,7 +59,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             if value is not None:
                 raise cli.UsageError(f"{flag}: needs --api-listen HOST:PORT (the REST API)")
     else:
-        _listen(args.api_listen)
+        cli.parse_listen("--api-listen", args.api_listen)
     if args.api_resource is not None:
         namespace, _ = _resource(args.api_resource)
         if args.namespace and namespace not in args.namespace:
@@ -109,7 +102,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
             resource=None if args.api_resource is None else _resource(args.api_resource),
             api_token=token,
         )
-        host, port = _listen(args.api_listen)
+        host, port = cli.parse_listen("--api-listen", args.api_listen)
         threading.Thread(
             target=_serve, args=(app, host, port), name="sara-operator-api", daemon=True
         ).start()

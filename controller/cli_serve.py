@@ -25,7 +25,6 @@ import json
 import logging
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from typing import Any
 
 from controller import cli
 from controller.actuator import Pool
-from controller.cli_controller import _close, _parse_listen, _scrape_every
+from controller.cli_controller import _close, run_with_api
 from controller.cli_worker import DEFAULT_MODEL_CACHE, resolve_model
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
@@ -108,7 +107,7 @@ def _redis(url: str | None) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _router(args: argparse.Namespace, redis_url: str, model_dir: Path, log: Path) -> Iterator[str]:
-    host, port = _parse_listen(args.listen)
+    host, port = cli.parse_listen("--listen", args.listen)
     with log.open("ab") as out:
         process = subprocess.Popen(
             _python_cli(
@@ -166,8 +165,7 @@ def _store(args: argparse.Namespace, state_dir: Path) -> FileConfigStore:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from controller.actuators.local import LocalProcessActuator, http_readiness
-    from controller.api import create_app, load_api_token
-    from controller.http_server import serve_http
+    from controller.api import load_api_token
     from controller.sources.scrape import ScrapeSource
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -175,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     store = _store(args, state_dir)
     config = store.load().config
-    api_host, api_port = _parse_listen(args.api_listen)
+    api_host, api_port = cli.parse_listen("--api-listen", args.api_listen)
     try:
         token = load_api_token(file=args.api_token_file)
     except (OSError, ValueError) as exc:
@@ -213,31 +211,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 metrics=metrics,
                 state_dir=state_dir,
             )
-            app = create_app(
-                store=store,
-                status=loop.status,
-                decisions=loop.decisions,
-                ready=loop.ready,
-                metrics=metrics.exposition,
-                api_token=token,
-            )
-            stop = threading.Event()
-            threading.Thread(
-                target=_scrape_every, args=(source.scrape, stop, 1.0), daemon=True
-            ).start()
-            control = threading.Thread(target=loop.run, args=(stop,), daemon=True)
-            control.start()
             print(
                 f"sara serve: router {router_url}  controller http://{api_host}:{api_port}  "
                 f"redis {redis_url}  logs {log_dir}",
                 file=sys.stderr,
                 flush=True,
             )
-            try:
-                serve_http(app, host=api_host, port=api_port)
-            finally:
-                stop.set()
-                control.join(timeout=10)
+            run_with_api(loop, token=token, host=api_host, port=api_port)
         finally:
             _close(actuator)
     return 0

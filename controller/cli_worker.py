@@ -35,13 +35,6 @@ DEFAULT_MODEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cach
 TINY_SEED = 0
 
 
-def _listen(flag: str, value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise cli.UsageError(f"{flag}: expected HOST:PORT, got {value!r}")
-    return host or "127.0.0.1", int(port)
-
-
 def resolve_model(spec: str, cache_dir: Path) -> Path:
     """The checkpoint folder for ``--model``: a folder, or ``tiny`` (generated once)."""
     if spec != "tiny":
@@ -101,7 +94,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         # One thread per worker: workers share the machine's cores with each other.
         torch.set_num_threads(args.threads)
         tune_cpu_allocator()
-    host, port = _listen("--metrics-listen", args.metrics_listen)
+    host, port = cli.parse_listen("--metrics-listen", args.metrics_listen, any_port=True)
     worker_id = args.worker_id or f"{pool.value}-{socket.gethostname()}-{os.getpid()}"
     try:
         settings = WorkerSettings(
@@ -201,7 +194,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from workers.router import RouterConfig, create_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(message)s")
-    host, port = _listen("--listen", args.listen)
+    host, port = cli.parse_listen("--listen", args.listen)
     model_dir = resolve_model(args.model, Path(args.model_cache))
     try:
         model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))

@@ -76,14 +76,6 @@ def _get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
         return None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def prepare_model(work: Path) -> tuple[Path, Path]:
     """The demo model's folder and its measured profile."""
     from workers.checkpoint import tiny_config, write_tiny_checkpoint
@@ -297,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         Phase(name="burst", rate_scale=args.burst_rate, duration_s=args.burst_s),
         Phase(name="after", rate_scale=args.calm_rate, duration_s=args.after_s),
     ]
-    started = time.monotonic()
     from controller import demo as planning
+    from workers.redis_util import free_port
+
+    started = time.monotonic()
 
     print("== capacity plan for the Azure conversation hour, checked in the simulator")
     planning.main([])
@@ -308,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, profile = prepare_model(work)
         config_file = work / "config.json"
         config_file.write_text(json.dumps(controller_config(profile, args.ttft_p99, args.tpot_p99)))
-        router_port, api_port = _free_port(), _free_port()
+        router_port, api_port = free_port(), free_port()
         router, api = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{api_port}"
         serve_log = (out / "serve.log").open("w")
         serve = subprocess.Popen(
@@ -316,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 "serve", "--model", str(model_dir), "--config", str(config_file),
                 "--state-dir", str(work / "state"), "--listen", f"127.0.0.1:{router_port}",
                 "--api-listen", f"127.0.0.1:{api_port}", "--token-budget", "256",
-                "--prefill-port", str(_free_port()), "--decode-port", str(_free_port()),
+                "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
                 "--grace-period-s", "20",
             ),
             stdout=serve_log,
