@@ -8,15 +8,10 @@ exceptions that say whether trying again may help: ``ActuatorRetryableError``
 
 from __future__ import annotations
 
-import enum
 from typing import Protocol
 
 from controller.observation import PoolObservation
-
-
-class Pool(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+from queueing.pools import Pool
 
 
 class ActuatorError(RuntimeError):

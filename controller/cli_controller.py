@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from controller import cli
-from controller.actuator import Actuator, Pool
+from controller.actuator import Actuator
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
 from controller.sources.base import ObservationSource
 from controller.store import FileConfigStore
+from queueing.pools import Pool
 
 CONFIG_FILE = "config.json"
 

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from controller import cli
-from controller.actuator import Pool
 from controller.cli_controller import _close, run_with_api
 from controller.cli_worker import DEFAULT_MODEL_CACHE, resolve_model
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
 from controller.store import FileConfigStore
+from queueing.pools import Pool
 
 logger = logging.getLogger("sara.serve")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from controller import cli
-from controller.actuator import Pool
+from queueing.pools import Pool
 from workers.protocol import RECLAIM_MIN_IDLE_MS
 
 DEFAULT_MODEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sara"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.actuator import Actuator, ActuatorError, ActuatorRetryableError, Pool
+from controller.actuator import Actuator, ActuatorError, ActuatorRetryableError
 from controller.config import ControllerConfig
 from controller.metrics import ControllerMetrics
 from controller.observation import PoolObservation
@@ -31,6 +31,7 @@ from controller.policy import POOLS, ControllerState, Decision, decide
 from controller.sources.base import ObservationSource
 from controller.store import ConfigStore
 from queueing.catalog import resolve_profile
+from queueing.pools import Pool
 from queueing.profile import IterationProfile, ProfileError
 
 log = logging.getLogger("sara.controller")

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 
 POOLS: tuple[str, ...] = tuple(pool.value for pool in Pool)
 RATE_KINDS: tuple[str, ...] = ("raw", "smoothed")

@@ -48,7 +48,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from controller import crd
-from controller.actuator import Actuator, ActuatorError, Pool
+from controller.actuator import Actuator, ActuatorError
 from controller.actuators.kubernetes import KubernetesActuator, load_client_configuration
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop, TickRecord
@@ -57,6 +57,7 @@ from controller.policy import ControllerState
 from controller.sources.base import ObservationSource
 from controller.store import VersionConflictError, VersionedConfig, config_version
 from queueing.catalog import resolve_profile
+from queueing.pools import Pool
 from queueing.solver import InfeasibleSLOError
 
 if TYPE_CHECKING:

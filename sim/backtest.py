@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from sim.cluster import Cluster, Pool
+from queueing.pools import Pool
+from sim.cluster import Cluster
 from sim.policies import Allocation, BacktestPolicy, ClusterView, Scenario, make_policy
 from sim.results import SimResults, SimSummary
 from sim.trace import FloatArray, Trace

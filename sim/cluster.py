@@ -39,6 +39,7 @@ from enum import Enum
 
 import numpy as np
 
+from queueing.pools import Pool
 from queueing.profile import IterationProfile
 from sim.decode_worker import DecodeWorker
 from sim.events import EventQueue
@@ -46,11 +47,6 @@ from sim.results import SimResults
 from sim.trace import FloatArray, IntArray, Trace
 from workers.kv_cache import PagedKVCache
 from workers.scheduler import Scheduler, SchedulingPolicy, Sequence, StepPlan
-
-
-class Pool(Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class WorkerState(Enum):

@@ -16,16 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.actuator import Pool
 from controller.config import ControllerConfig
 from controller.observation import Observation, PoolObservation
 from controller.policy import ControllerState, Decision, decide
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 from queueing.profile import IterationProfile
 from sim.cluster import Cluster, ClusterSnapshot
-from sim.cluster import Pool as SimPool
 
-_SIM_POOL = {Pool.PREFILL: SimPool.PREFILL, Pool.DECODE: SimPool.DECODE}
 MIN_LENGTH_SAMPLES = 50
 MIN_LATENCY_SAMPLES = 20
 
@@ -40,7 +38,7 @@ class SimulatedActuator:
         return replicas_of(self.cluster.snapshot(window_s=1.0))[pool]
 
     def scale(self, pool: Pool, replicas: int) -> None:
-        self.cluster.set_pool_size(_SIM_POOL[pool], replicas, self.cluster.now_s)
+        self.cluster.set_pool_size(pool, replicas, self.cluster.now_s)
 
 
 class SimulatedSource:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import redis
 import torch
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from workers.protocol import KeySpace
 from workers.registry import Registry
 from workers.transfer import (

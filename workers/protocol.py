@@ -52,7 +52,7 @@ import redis.asyncio
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 
 SCHEMA_VERSION = 1
 PREFILL_GROUP = "prefill"

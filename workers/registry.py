@@ -24,7 +24,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from workers.protocol import DEFAULT_KEYS, KeySpace, ProtocolError, check_request_id
 
 logger = logging.getLogger(__name__)

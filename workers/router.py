@@ -48,7 +48,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from workers.protocol import (
     MAX_STREAM_LEN,
     AsyncStreams,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from workers.protocol import (
     KEEPALIVE_INTERVAL_MS,
     RECLAIM_MIN_IDLE_MS,

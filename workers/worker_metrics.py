@@ -22,7 +22,7 @@ import enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 
 ITERATION_BUCKETS_S = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from controller.actuator import ActuatorError, Pool
+from controller.actuator import ActuatorError
 from controller.observation import PoolObservation
+from queueing.pools import Pool
 
 
 def _replicas(name: str, value: object) -> int:

@@ -27,8 +27,9 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from controller.actuator import ActuatorError, ActuatorRetryableError, Pool
+from controller.actuator import ActuatorError, ActuatorRetryableError
 from controller.observation import PoolObservation
+from queueing.pools import Pool
 
 logger = logging.getLogger(__name__)
 

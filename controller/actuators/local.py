@@ -33,8 +33,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from controller.actuator import ActuatorError, Pool
+from controller.actuator import ActuatorError
 from controller.observation import PoolObservation
+from queueing.pools import Pool
 
 logger = logging.getLogger(__name__)
 

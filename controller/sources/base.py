@@ -13,8 +13,8 @@ import logging
 from collections.abc import Mapping
 from typing import Protocol
 
-from controller.actuator import Pool
 from controller.observation import Observation, PoolObservation
+from queueing.pools import Pool
 
 
 class ObservationSource(Protocol):

@@ -20,12 +20,12 @@ from typing import Any
 
 import httpx
 
-from controller.actuator import Pool
 from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
 from controller.sources.counters import CounterSample, interarrival_scv
 from controller.sources.histograms import DEFAULT_SAMPLES, Bucket, histogram_quantile
 from controller.sources.histograms import length_samples as samples_from_buckets
+from queueing.pools import Pool
 
 ARRIVAL_RATE_QUERY = "sum(rate(sara_requests_total{$selector}[$window]))"
 TTFT_P99_QUERY = (

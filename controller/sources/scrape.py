@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.actuator import Pool
 from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
 from controller.sources.counters import CounterSample, corrected_increase, interarrival_scv
 from controller.sources.histograms import DEFAULT_SAMPLES, histogram_quantile, length_samples
+from queueing.pools import Pool
 
 logger = logging.getLogger(__name__)
 

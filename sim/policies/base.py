@@ -21,9 +21,10 @@ import numpy as np
 from controller.config import ControllerConfig, PoolLimits, SloConfig
 from queueing.budget import token_budget
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 from queueing.profile import IterationProfile
 from queueing.solver import CapacityModel, InfeasibleSLOError, KvLink, SloTargets, solve
-from sim.cluster import Cluster, ClusterConfig, ClusterSnapshot, Pool
+from sim.cluster import Cluster, ClusterConfig, ClusterSnapshot
 from sim.trace import FloatArray, Trace
 
 # A controller that has seen fewer requests than this falls back to the whole

@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
-from controller.actuator import Actuator, ActuatorError, Pool
+from controller.actuator import Actuator, ActuatorError
 from controller.actuators import AdvisoryActuator
 from controller.observation import PoolObservation
+from queueing.pools import Pool
 
 
 def test_it_reports_its_initial_replicas_as_current_and_ready() -> None:

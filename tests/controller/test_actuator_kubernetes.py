@@ -29,9 +29,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes import client
 
-from controller.actuator import Actuator, ActuatorError, ActuatorRetryableError, Pool
+from controller.actuator import Actuator, ActuatorError, ActuatorRetryableError
 from controller.actuators.kubernetes import KubernetesActuator, backoff_delays_s
 from controller.observation import PoolObservation
+from queueing.pools import Pool
 
 T = TypeVar("T")
 NAMESPACE = "sara"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from controller.actuator import Actuator, ActuatorError, Pool
+from controller.actuator import Actuator, ActuatorError
 from controller.actuators.local import (
     LocalProcessActuator,
     WorkerSlot,
@@ -27,6 +27,7 @@ from controller.actuators.local import (
     validate_template,
 )
 from controller.observation import PoolObservation
+from queueing.pools import Pool
 
 # No braces in the scripts: every argument of a command is a template.
 DRAINS = """

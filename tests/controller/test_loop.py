@@ -8,13 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.actuator import ActuatorError, Pool
+from controller.actuator import ActuatorError
 from controller.config import ControllerConfig, Mode, SloConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
 from controller.observation import Observation, PoolObservation
 from controller.store import MemoryConfigStore
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 
 CONFIG = ControllerConfig(
     profile="llama-2-70b-tp4@h100-sxm", slo=SloConfig(ttft_p99_s=1.0, tpot_p99_s=0.1)

@@ -45,7 +45,6 @@ from fastapi.testclient import TestClient
 from kubernetes import client
 
 from controller import crd
-from controller.actuator import Pool
 from controller.config import ConfigError, ControllerConfig, SloConfig
 from controller.observation import Observation, PoolObservation
 from controller.operator import (
@@ -59,6 +58,7 @@ from controller.operator import (
 from controller.store import VersionConflictError, config_version
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 from queueing.solver import CapacityModel, KvLink, SloTargets, solve
 from tests.controller.cli_runner import run_cli
 

@@ -23,7 +23,6 @@ import httpx
 import numpy as np
 import pytest
 
-from controller.actuator import Pool
 from controller.observation import Observation, PoolObservation
 from controller.sources import PrometheusSource
 from controller.sources.histograms import histogram_quantile
@@ -34,6 +33,7 @@ from controller.sources.prometheus import (
     promql_duration,
     render,
 )
+from queueing.pools import Pool
 from tests.controller.conftest_sources import (
     PROMPT_BUCKETS_TOKENS,
     RouterExporter,

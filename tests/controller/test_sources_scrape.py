@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from controller.actuator import Pool
 from controller.observation import Observation, PoolObservation
 from controller.sources import ScrapeSource
+from queueing.pools import Pool
 from tests.controller.conftest_sources import (
     OUTPUT_BUCKETS_TOKENS,
     PROMPT_BUCKETS_TOKENS,

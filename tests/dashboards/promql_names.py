@@ -13,8 +13,8 @@ import shutil
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.actuator import Pool
 from controller.metrics import ControllerMetrics
+from queueing.pools import Pool
 from workers.router_metrics import RouterMetrics
 from workers.worker_metrics import WorkerMetrics
 

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from queueing.pools import Pool
 from queueing.profile import IterationProfile
-from sim.cluster import Cluster, ClusterConfig, Pool
+from sim.cluster import Cluster, ClusterConfig
 from sim.results import SimResults
 from sim.trace import Trace
 from workers.scheduler import SchedulingPolicy

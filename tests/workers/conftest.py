@@ -23,7 +23,7 @@ import pytest
 import redis
 import uvicorn
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from workers.protocol import (
     DecodeRequest,
     Delivery,

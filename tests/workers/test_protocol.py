@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from tests.workers.conftest import KEYS
 from workers.protocol import (
     AsyncStreams,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from tests.workers.conftest import KEYS
 from workers.protocol import connect, connect_async
 from workers.redis_util import RedisServer

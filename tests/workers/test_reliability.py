@@ -27,7 +27,7 @@ import redis
 
 pytest.importorskip("torch")
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from workers.checkpoint import write_tiny_checkpoint
 from workers.protocol import GROUPS, KeySpace
 from workers.redis_util import RedisServer, free_port

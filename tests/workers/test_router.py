@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from tests.workers.conftest import (
     ProtocolWorker,
     RouterFactory,

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from controller.actuator import Pool
+from queueing.pools import Pool
 from workers.checkpoint import random_weights, tiny_config
 from workers.decode_worker import DecodeWorker
 from workers.engine import Engine
