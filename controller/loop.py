@@ -19,7 +19,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from controller.observation import PoolObservation
 from controller.policy import POOLS, ControllerState, Decision, decide
 from controller.sources.base import ObservationSource
 from controller.store import ConfigStore
+from controller.tick import TickRecord
 from queueing.catalog import resolve_profile
 from queueing.pools import Pool
 from queueing.profile import IterationProfile, ProfileError
@@ -44,26 +44,6 @@ def load_profile_spec(spec: str) -> IterationProfile:
     if path.suffix == ".json" or path.exists():
         return IterationProfile.from_json(path.read_text(encoding="utf-8"))
     return resolve_profile(spec)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TickRecord:
-    """One tick as the REST API and the logs show it."""
-
-    time_s: float
-    config_version: str
-    decision: Decision | None
-    applied: bool
-    error: str | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "time_s": self.time_s,
-            "config_version": self.config_version,
-            "applied": self.applied,
-            "error": self.error,
-            **(self.decision.as_dict() if self.decision else {}),
-        }
 
 
 class ControlLoop:

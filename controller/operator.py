@@ -51,11 +51,12 @@ from controller import crd
 from controller.actuator import Actuator, ActuatorError
 from controller.actuators.kubernetes import KubernetesActuator, load_client_configuration
 from controller.config import ConfigError, ControllerConfig
-from controller.loop import ControlLoop, TickRecord
+from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
 from controller.policy import ControllerState
 from controller.sources.base import ObservationSource
 from controller.store import VersionConflictError, VersionedConfig, config_version
+from controller.tick import TickRecord
 from queueing.catalog import resolve_profile
 from queueing.pools import Pool
 from queueing.solver import InfeasibleSLOError

@@ -41,6 +41,7 @@ PURE_CORES = {
     "controller.observation",
     "controller.actuator",
     "controller.crd",
+    "controller.tick",
 }
 
 

@@ -26,10 +26,10 @@ from controller.config import (
     PoolLimits,
     SloConfig,
 )
-from controller.loop import TickRecord
 from controller.observation import Observation, PoolObservation
 from controller.policy import ControllerState, decide
 from controller.store import config_version
+from controller.tick import TickRecord
 from queueing.catalog import builtin_profiles
 from queueing.lengths import LengthSamples
 
