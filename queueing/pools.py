@@ -22,6 +22,11 @@ class Pool(enum.Enum):
     PREFILL = "prefill"  # turns prompts into KV caches and first tokens (TTFT)
     DECODE = "decode"  # generates the remaining tokens (TPOT)
 
+    @property
+    def latency(self) -> str:
+        """The latency the pool's size sets, as metric and field names spell it."""
+        return "ttft" if self is Pool.PREFILL else "tpot"
+
 
 @dataclass(frozen=True, kw_only=True)
 class PerPool(Generic[T]):

@@ -21,6 +21,7 @@ from typing import Any
 from queueing.budget import BudgetInfeasibleError, token_budget
 from queueing.decode import DecodeModel
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 from queueing.prefill import PrefillModel
 from queueing.profile import IterationProfile
 
@@ -68,6 +69,10 @@ class SloTargets:
         if not (0.5 <= self.quantile < 1.0):
             raise ValueError(f"quantile: must be in [0.5, 1), got {self.quantile!r}")
 
+    def of(self, pool: Pool) -> float:
+        """The pool's target: TTFT for prefill, TPOT for decode."""
+        return self.ttft_p99_s if pool is Pool.PREFILL else self.tpot_p99_s
+
 
 @dataclass(frozen=True, kw_only=True)
 class KvLink:
@@ -91,6 +96,10 @@ class CapacityModel:
     decode: DecodeModel
     token_budget: int
     profile: IterationProfile
+
+    def of(self, pool: Pool) -> PrefillModel | DecodeModel:
+        """The pool's model (both answer ``is_stable`` and ``floor_quantile_s``)."""
+        return self.prefill if pool is Pool.PREFILL else self.decode
 
     @classmethod
     def build(
@@ -323,6 +332,57 @@ class Evaluation:
     def feasible(self) -> bool:
         return self.prefill.meets_slo and self.decode.meets_slo
 
+    def of(self, pool: Pool) -> PoolPrediction:
+        return self.prefill if pool is Pool.PREFILL else self.decode
+
+
+def evaluate_pool(
+    model: CapacityModel,
+    pool: Pool,
+    *,
+    workers: int,
+    arrival_rate_rps: float,
+    ca2: float,
+    target_s: float,
+    quantile: float = DEFAULT_QUANTILE,
+) -> PoolPrediction:
+    """One pool's predicted P-quantile latency at ``workers`` against ``target_s`` (no
+    headroom): TTFT for prefill, TPOT for decode. Neither depends on the other pool."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"{pool.value}_workers: must be an integer >= 1, got {workers!r}")
+    rate, q = arrival_rate_rps, quantile
+    if pool is Pool.PREFILL:
+        ttft: float | None = None
+        problem = _prefill_check(model, workers, rate, ca2, target_s, q)
+        if problem is not BindingConstraint.STABILITY:
+            ttft = model.prefill.ttft_quantile_s(
+                workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q
+            )
+        return PoolPrediction(
+            workers=workers,
+            p99_s=ttft,
+            utilisation=model.prefill.utilisation(workers=workers, arrival_rate_rps=rate, ca2=ca2),
+            meets_slo=ttft is not None and ttft <= target_s,
+        )
+    tpot: float | None = None
+    decode_problem = _decode_check(model, workers, rate, ca2, target_s, q)
+    if decode_problem is not BindingConstraint.STABILITY:
+        tpot = model.decode.tpot_quantile_s(
+            workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q
+        )
+    decode_utilisation = (
+        model.decode.load(workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q).batch_p99
+        / model.decode.max_batch
+        if tpot is not None
+        else math.inf
+    )
+    return PoolPrediction(
+        workers=workers,
+        p99_s=tpot,
+        utilisation=decode_utilisation,
+        meets_slo=decode_problem is None,
+    )
+
 
 def evaluate(
     model: CapacityModel,
@@ -334,36 +394,24 @@ def evaluate(
     slo: SloTargets,
 ) -> Evaluation:
     """Predicted P99s of a given allocation against the SLOs (no headroom)."""
-    for name, value in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
+    workers = {Pool.PREFILL: prefill_workers, Pool.DECODE: decode_workers}
+    for pool, value in workers.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-    q = slo.quantile
-    rate, n, m = arrival_rate_rps, prefill_workers, decode_workers
-    ttft: float | None = None
-    if _prefill_check(model, n, rate, ca2, slo.ttft_p99_s, q) is not BindingConstraint.STABILITY:
-        ttft = model.prefill.ttft_quantile_s(workers=n, arrival_rate_rps=rate, ca2=ca2, quantile=q)
-    tpot: float | None = None
-    decode_problem = _decode_check(model, m, rate, ca2, slo.tpot_p99_s, q)
-    if decode_problem is not BindingConstraint.STABILITY:
-        tpot = model.decode.tpot_quantile_s(workers=m, arrival_rate_rps=rate, ca2=ca2, quantile=q)
-    decode_utilisation = (
-        model.decode.load(workers=m, arrival_rate_rps=rate, ca2=ca2, quantile=q).batch_p99
-        / model.decode.max_batch
-        if tpot is not None
-        else math.inf
-    )
-    return Evaluation(
-        prefill=PoolPrediction(
+            raise ValueError(f"{pool.value}_workers: must be an integer >= 1, got {value!r}")
+    prediction = {
+        pool: evaluate_pool(
+            model,
+            pool,
             workers=n,
-            p99_s=ttft,
-            utilisation=model.prefill.utilisation(workers=n, arrival_rate_rps=rate, ca2=ca2),
-            meets_slo=ttft is not None and ttft <= slo.ttft_p99_s,
-        ),
-        decode=PoolPrediction(
-            workers=m,
-            p99_s=tpot,
-            utilisation=decode_utilisation,
-            meets_slo=decode_problem is None,
-        ),
+            arrival_rate_rps=arrival_rate_rps,
+            ca2=ca2,
+            target_s=slo.of(pool),
+            quantile=slo.quantile,
+        )
+        for pool, n in workers.items()
+    }
+    return Evaluation(
+        prefill=prediction[Pool.PREFILL],
+        decode=prediction[Pool.DECODE],
         token_budget=model.token_budget,
     )
