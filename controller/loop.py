@@ -27,23 +27,15 @@ from controller.config import ControllerConfig
 from controller.metrics import ControllerMetrics
 from controller.observation import PoolObservation
 from controller.policy import POOLS, ControllerState, Decision, decide
+from controller.profiles import load_profile
 from controller.sources.base import ObservationSource
 from controller.store import ConfigStore
 from controller.tick import TickRecord
-from queueing.catalog import resolve_profile
 from queueing.pools import Pool
 from queueing.profile import IterationProfile, ProfileError
 
 log = logging.getLogger("sara.controller")
 STATE_FILE = "state.json"
-
-
-def load_profile_spec(spec: str) -> IterationProfile:
-    """A built-in profile name, or the path of a profile JSON file."""
-    path = Path(spec)
-    if path.suffix == ".json" or path.exists():
-        return IterationProfile.from_json(path.read_text(encoding="utf-8"))
-    return resolve_profile(spec)
 
 
 class ControlLoop:
@@ -57,7 +49,7 @@ class ControlLoop:
         clock: Callable[[], float] = time.time,
         state_dir: Path | None = None,
         history: int = 500,
-        profile_loader: Callable[[str], IterationProfile] = load_profile_spec,
+        profile_loader: Callable[[str], IterationProfile] = load_profile,
     ) -> None:
         self.store = store
         self.source = source
