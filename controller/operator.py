@@ -50,6 +50,7 @@ from kubernetes.client.exceptions import ApiException
 from controller import crd
 from controller.actuator import Actuator, ActuatorError
 from controller.actuators.kubernetes import KubernetesActuator, load_client_configuration
+from controller.closing import close_if_closable
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
@@ -485,7 +486,7 @@ class AutoscalerRunner:
             if bindings != self._bindings:
                 # Other Deployments or another Prometheus: new adapters, same policy
                 # state (the pools' history is what the resource has seen).
-                _close(self._loop.source)
+                close_if_closable(self._loop.source)
                 self._loop.source = self._source_factory(spec)
                 self._loop.actuator = self._actuator_factory(self.namespace, spec)
         self._bindings = bindings
@@ -569,19 +570,13 @@ class AutoscalerRunner:
         with self._lock:
             self._closed = True
             if self._loop is not None:
-                _close(self._loop.source)
-                _close(self._loop.actuator)
+                close_if_closable(self._loop.source)
+                close_if_closable(self._loop.actuator)
 
 
 def _conditions(status: Mapping[str, Any] | None) -> list[Mapping[str, Any]] | None:
     conditions = (status or {}).get("conditions")
     return conditions if isinstance(conditions, list) else None
-
-
-def _close(resource: object) -> None:
-    close = getattr(resource, "close", None)
-    if callable(close):
-        close()
 
 
 # --------------------------------------------------------------------------------------
