@@ -25,6 +25,7 @@ COPY queueing/ queueing/
 COPY sim/ sim/
 COPY controller/ controller/
 COPY workers/ workers/
+COPY cli/ cli/
 # PyTorch first, from its own index, so the project's install finds the pin satisfied
 # and never pulls the default (CUDA) wheel from PyPI for a CPU image.
 RUN /opt/sara/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \

@@ -17,11 +17,11 @@ $(BIN)/.installed: pyproject.toml | $(BIN)/python
 
 # The whole stack on this machine, autoscaling through a burst (about 4-5 minutes).
 demo: venv
-	$(BIN)/python -m controller.live_demo --out demo-out
+	$(BIN)/python -m cli.live_demo --out demo-out
 
 # Capacity planning only: solve for a real trace, check the plan in the simulator.
 plan-demo: venv
-	$(BIN)/python -m controller.demo
+	$(BIN)/python -m cli.demo
 
 test: venv
 	bash .ci/check

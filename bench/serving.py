@@ -103,7 +103,7 @@ class ServedStack:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         common = ["--redis", self.redis.url, "--model", str(model_dir)]
-        python = [sys.executable, "-m", "controller.cli"]
+        python = [sys.executable, "-m", "cli"]
         worker_args = ["--token-budget", str(TOKEN_BUDGET), "--num-blocks", str(NUM_BLOCKS)]
         self.procs = [
             subprocess.Popen(

@@ -20,13 +20,15 @@ import json
 import logging
 import shlex
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from controller import cli
+from cli import common
+from cli.common import UsageError
+from cli.runtime import run_with_api
 from controller.actuator import Actuator
+from controller.closing import close_if_closable
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
@@ -55,9 +57,9 @@ def _store(args: argparse.Namespace) -> FileConfigStore:
             )
         return FileConfigStore(path)
     except (OSError, json.JSONDecodeError) as exc:
-        raise cli.UsageError(f"--config: {exc}") from exc
+        raise UsageError(f"--config: {exc}") from exc
     except ConfigError as exc:
-        raise cli.UsageError(f"--config: {exc}") from exc
+        raise UsageError(f"--config: {exc}") from exc
 
 
 def _source(args: argparse.Namespace, config: ControllerConfig) -> ObservationSource:
@@ -75,7 +77,7 @@ def _source(args: argparse.Namespace, config: ControllerConfig) -> ObservationSo
         return ScrapeSource(
             urls, window_s=config.window_s, burst_window_s=config.burst_window_s, clock=time.time
         )
-    raise cli.UsageError(
+    raise UsageError(
         "--metrics-source: expected 'prometheus URL' or 'scrape URL[,URL...]', "
         f"got {' '.join(args.metrics_source)!r}"
     )
@@ -92,7 +94,7 @@ def _actuator(args: argparse.Namespace) -> Actuator:
         from controller.actuators.local import LocalProcessActuator
 
         if not args.prefill_command or not args.decode_command:
-            raise cli.UsageError(
+            raise UsageError(
                 "--prefill-command: the local actuator needs --prefill-command and --decode-command"
             )
         from controller.actuators.local import http_readiness
@@ -116,12 +118,12 @@ def _actuator(args: argparse.Namespace) -> Actuator:
                 ),
             )
         except ValueError as exc:
-            raise cli.UsageError(f"--prefill-command: {exc}") from exc
+            raise UsageError(f"--prefill-command: {exc}") from exc
     if args.actuator == "kubernetes":
         from controller.actuators.kubernetes import KubernetesActuator
 
         if not (args.namespace and args.prefill_deployment and args.decode_deployment):
-            raise cli.UsageError(
+            raise UsageError(
                 "--namespace: the kubernetes actuator needs --namespace, "
                 "--prefill-deployment and --decode-deployment"
             )
@@ -133,14 +135,14 @@ def _actuator(args: argparse.Namespace) -> Actuator:
             },
             kubeconfig=args.kubeconfig,
         )
-    raise cli.UsageError(f"--actuator: unknown actuator {args.actuator!r}")
+    raise UsageError(f"--actuator: unknown actuator {args.actuator!r}")
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
     from controller.api import load_api_token
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    host, port = cli.parse_listen("--listen", args.listen)
+    host, port = common.parse_listen("--listen", args.listen)
     store = _store(args)
     config = store.load().config
     source = _source(args, config)
@@ -148,7 +150,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     try:
         token = load_api_token(file=args.api_token_file)
     except (OSError, ValueError) as exc:
-        raise cli.UsageError(f"--api-token-file: {exc}") from exc
+        raise UsageError(f"--api-token-file: {exc}") from exc
     metrics = ControllerMetrics()
     loop = ControlLoop(
         store=store,
@@ -160,54 +162,13 @@ def cmd_controller(args: argparse.Namespace) -> int:
     if args.once:
         record = loop.tick()
         print(json.dumps(record.as_dict(), indent=2, default=str))
-        _close(actuator)
+        close_if_closable(actuator)
         return 0 if record.error is None else 1
     try:
         run_with_api(loop, token=token, host=host, port=port)
     finally:
-        _close(actuator)
+        close_if_closable(actuator)
     return 0
-
-
-def run_with_api(loop: ControlLoop, *, token: str | None, host: str, port: int) -> None:
-    """The control loop in a thread, its REST API in this one, until SIGTERM/SIGINT."""
-    from controller.api import create_app
-    from controller.http_server import serve_http
-
-    app = create_app(
-        store=loop.store,
-        status=loop.status,
-        decisions=loop.decisions,
-        ready=loop.ready,
-        metrics=loop.metrics.exposition,
-        api_token=token,
-    )
-    stop = threading.Event()
-    worker = threading.Thread(target=loop.run, args=(stop,), name="sara-control-loop", daemon=True)
-    worker.start()
-    scrape = getattr(loop.source, "scrape", None)
-    if callable(scrape):
-        # The scrape source needs snapshots between ticks (about one a second) for the
-        # burst window and the inter-arrival SCV; Prometheus keeps its own history.
-        threading.Thread(
-            target=_scrape_every, args=(scrape, stop, 1.0), name="sara-scrape", daemon=True
-        ).start()
-    try:
-        serve_http(app, host=host, port=port)
-    finally:
-        stop.set()
-        worker.join(timeout=10)
-
-
-def _scrape_every(scrape: Any, stop: threading.Event, period_s: float) -> None:
-    while not stop.wait(period_s):
-        scrape()
-
-
-def _close(actuator: Any) -> None:
-    close = getattr(actuator, "close", None)
-    if callable(close):
-        close()
 
 
 def register(sub: Any) -> None:

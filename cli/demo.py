@@ -5,7 +5,7 @@ asks the solver for the fewest prefill and decode workers that meet the SLOs, an
 replays the hour on a simulated cluster of that size — and of one worker fewer in
 each pool — printing predicted and simulated P99s side by side.
 
-    python -m controller.demo [--profile NAME] [--ttft-p99 S] [--tpot-p99 S]
+    python -m cli.demo [--profile NAME] [--ttft-p99 S] [--tpot-p99 S]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`make demo`: the whole stack on this machine, autoscaling through a burst.
 
 0. Plans capacity for the bundled Azure conversation trace and checks the plan in
-   the simulator (the table of ``controller.demo``, a few seconds).
+   the simulator (the table of ``cli.demo``, a few seconds).
 1. Generates a small Llama (random weights, ~8 M parameters) and measures its
    iteration-time profile on this CPU (`sara profile`, a reduced grid).
 2. Starts `sara serve` with it: a private Redis, the router, one prefill and one
@@ -15,7 +15,7 @@
 4. Prints a summary table per phase and writes a PNG plot of load, replicas and
    P99s over time; stops the stack, and checks that no process it started is left.
 
-    python -m controller.live_demo [--out DIR] [--calm-s 40] [--burst-s 75] ...
+    python -m cli.live_demo [--out DIR] [--calm-s 40] [--burst-s 75] ...
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Timeline:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "controller.cli", *args]
+    return [sys.executable, "-m", "cli", *args]
 
 
 def _get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:

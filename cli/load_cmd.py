@@ -21,7 +21,8 @@ import sys
 import time
 from typing import Any
 
-from controller import cli
+from cli import common
+from cli.common import UsageError
 
 DEFAULT_VOCAB_SIZE = 256
 PROGRESS_EVERY_S = 2.0
@@ -29,7 +30,7 @@ PROGRESS_EVERY_S = 2.0
 
 def _url(value: str) -> str:
     if not value.startswith(("http://", "https://")):
-        raise cli.UsageError(f"--url: expected http://HOST:PORT, got {value!r}")
+        raise UsageError(f"--url: expected http://HOST:PORT, got {value!r}")
     return value.rstrip("/")
 
 
@@ -37,7 +38,7 @@ def _model_card(url: str, timeout_s: float) -> dict[str, Any]:
     """The first entry of ``GET /v1/models``; ``UsageError`` when it cannot be read."""
     import httpx
 
-    from workers.loadgen import completions_url
+    from cli.loadgen import completions_url
 
     models_url = completions_url(url).removesuffix("/completions") + "/models"
     try:
@@ -46,9 +47,9 @@ def _model_card(url: str, timeout_s: float) -> dict[str, Any]:
         data = resp.json()["data"]
         return dict(data[0])
     except httpx.HTTPError as exc:
-        raise cli.UsageError(f"--url: cannot read {models_url}: {exc}") from exc
+        raise UsageError(f"--url: cannot read {models_url}: {exc}") from exc
     except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise cli.UsageError(f"--url: {models_url} did not list a model ({exc!r})") from exc
+        raise UsageError(f"--url: {models_url} did not list a model ({exc!r})") from exc
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -61,7 +62,7 @@ def _check(args: argparse.Namespace) -> None:
         ("--ttft-slo", args.ttft_slo),
         ("--tpot-slo", args.tpot_slo),
     ):
-        cli._positive(flag, value)
+        common.positive(flag, value)
     for flag, value in (
         ("--max-requests", args.max_requests),
         ("--max-prompt-tokens", args.max_prompt_tokens),
@@ -70,7 +71,7 @@ def _check(args: argparse.Namespace) -> None:
         ("--max-inflight", args.max_inflight),
     ):
         if value is not None and value < 1:
-            raise cli.UsageError(f"{flag}: must be an integer >= 1, got {value}")
+            raise UsageError(f"{flag}: must be an integer >= 1, got {value}")
 
 
 class _Progress:
@@ -99,15 +100,15 @@ class _Progress:
 def cmd_load(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from workers.loadgen import PlanOptions, build_plan, format_report, run_load, summarize
+    from cli.loadgen import PlanOptions, build_plan, format_report, run_load, summarize
 
     _check(args)
     url = _url(args.url)
-    trace = cli.load_trace_arg(args.trace)
+    trace = common.load_trace_arg(args.trace)
     card = _model_card(url, timeout_s=min(10.0, args.request_timeout_s))
     context = card.get("max_model_len")
     if args.fit_context and not (isinstance(context, int) and context >= 2):
-        raise cli.UsageError(f"--fit-context: {url} does not report max_model_len")
+        raise UsageError(f"--fit-context: {url} does not report max_model_len")
     vocab = args.vocab_size or card.get("vocab_size") or DEFAULT_VOCAB_SIZE
     try:
         options = PlanOptions(
@@ -122,10 +123,10 @@ def cmd_load(args: argparse.Namespace) -> int:
             vocab_size=int(vocab),
         )
     except ValueError as exc:
-        raise cli.UsageError(str(exc)) from exc
+        raise UsageError(str(exc)) from exc
     plan = build_plan(trace, options, np.random.default_rng(args.seed))
     if not plan:
-        raise cli.UsageError("--duration-s: no request of the trace arrives within the window")
+        raise UsageError("--duration-s: no request of the trace arrives within the window")
     progress = _Progress(len(plan), enabled=not args.json)
     results = asyncio.run(
         run_load(
@@ -153,7 +154,7 @@ def _json_default(value: Any) -> Any:
 
 
 def register(sub: Any) -> None:
-    from workers.loadgen import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_REQUESTS
+    from cli.loadgen import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_REQUESTS
 
     p = sub.add_parser("load", help="replay a trace against the router; client-side latency")
     p.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8000")
@@ -223,16 +224,16 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--ttft-slo",
         type=float,
-        default=cli.DEFAULT_TTFT_P99_S,
+        default=common.DEFAULT_TTFT_P99_S,
         metavar="S",
-        help=f"TTFT SLO for the attainment (default {cli.DEFAULT_TTFT_P99_S})",
+        help=f"TTFT SLO for the attainment (default {common.DEFAULT_TTFT_P99_S})",
     )
     p.add_argument(
         "--tpot-slo",
         type=float,
-        default=cli.DEFAULT_TPOT_P99_S,
+        default=common.DEFAULT_TPOT_P99_S,
         metavar="S",
-        help=f"TPOT SLO for the attainment (default {cli.DEFAULT_TPOT_P99_S})",
+        help=f"TPOT SLO for the attainment (default {common.DEFAULT_TPOT_P99_S})",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and rate scaling")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -20,7 +20,8 @@ import re
 import threading
 from typing import Any
 
-from controller import cli
+from cli import common
+from cli.common import UsageError
 from controller.config import ConfigError
 
 DEFAULT_PEERING = "sara"
@@ -33,7 +34,7 @@ log = logging.getLogger("sara.operator")
 def _resource(value: str) -> tuple[str, str]:
     namespace, sep, name = value.partition("/")
     if not sep or not _DNS_LABEL.fullmatch(namespace) or not _DNS_SUBDOMAIN.fullmatch(name):
-        raise cli.UsageError(
+        raise UsageError(
             f"--api-resource: expected NAMESPACE/NAME of an SLOAutoscaler, got {value!r}"
         )
     return namespace, name
@@ -42,33 +43,33 @@ def _resource(value: str) -> tuple[str, str]:
 def check_arguments(args: argparse.Namespace) -> None:
     """Every usage error, before anything connects or starts."""
     if not args.namespace and not args.all_namespaces:
-        raise cli.UsageError(
+        raise UsageError(
             "--namespace: name the namespaces to serve (--namespace NS, repeatable) "
             "or give --all-namespaces"
         )
     for namespace in args.namespace or ():
         if not _DNS_LABEL.fullmatch(namespace):
-            raise cli.UsageError(f"--namespace: not a namespace name: {namespace!r}")
+            raise UsageError(f"--namespace: not a namespace name: {namespace!r}")
     if args.standalone and args.peering is not None:
-        raise cli.UsageError("--peering: --standalone runs without peering; give one or the other")
+        raise UsageError("--peering: --standalone runs without peering; give one or the other")
     if args.api_listen is None:
         for flag, value in (
             ("--api-resource", args.api_resource),
             ("--api-token-file", args.api_token_file),
         ):
             if value is not None:
-                raise cli.UsageError(f"{flag}: needs --api-listen HOST:PORT (the REST API)")
+                raise UsageError(f"{flag}: needs --api-listen HOST:PORT (the REST API)")
     else:
-        cli.parse_listen("--api-listen", args.api_listen)
+        common.parse_listen("--api-listen", args.api_listen)
     if args.api_resource is not None:
         namespace, _ = _resource(args.api_resource)
         if args.namespace and namespace not in args.namespace:
-            raise cli.UsageError(
+            raise UsageError(
                 f"--api-resource: namespace {namespace!r} is not served "
                 f"(--namespace {' --namespace '.join(args.namespace)})"
             )
     if args.liveness is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", args.liveness):
-        raise cli.UsageError(
+        raise UsageError(
             f"--liveness: expected a URL such as http://0.0.0.0:8081/healthz, got {args.liveness!r}"
         )
 
@@ -84,13 +85,13 @@ def cmd_operator(args: argparse.Namespace) -> int:
     try:
         configuration = load_configuration(args.kubeconfig, args.context)
     except ConfigError as exc:
-        raise cli.UsageError(str(exc)) from exc
+        raise UsageError(str(exc)) from exc
     token = None
     if args.api_listen is not None:
         try:
             token = load_api_token(file=args.api_token_file)
         except ConfigError as exc:
-            raise cli.UsageError(f"--api-token-file: {exc}") from exc
+            raise UsageError(f"--api-token-file: {exc}") from exc
         if token is None:
             log.warning(
                 "no API token (--api-token-file or $SARA_API_TOKEN): the REST API is read-only"
@@ -102,7 +103,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
             resource=None if args.api_resource is None else _resource(args.api_resource),
             api_token=token,
         )
-        host, port = cli.parse_listen("--api-listen", args.api_listen)
+        host, port = common.parse_listen("--api-listen", args.api_listen)
         threading.Thread(
             target=_serve, args=(app, host, port), name="sara-operator-api", daemon=True
         ).start()

@@ -3,7 +3,7 @@
 Loads a checkpoint folder (or generates the tiny random model), times the engine's
 forward pass over a grid of batch shapes, fits DESIGN §3.1's four coefficients and
 writes the profile JSON that `sara solve --profile FILE` reads. torch is imported
-only inside the command, so `import controller.cli` stays light.
+only inside the command, so `import cli.__main__` stays light.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from controller import cli
+from cli.common import UsageError
 
 EXIT_FIT_FAILED = 1
 
@@ -42,16 +42,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from workers.profiler import ProfileFitError, ProfileGrid, format_report, profile_model
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise cli.UsageError("--device: cuda requested but torch sees no CUDA device")
+        raise UsageError("--device: cuda requested but torch sees no CUDA device")
     if args.repeats < 1:
-        raise cli.UsageError(f"--repeats: must be >= 1, got {args.repeats}")
+        raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
     if args.warmup < 0:
-        raise cli.UsageError(f"--warmup: must be >= 0, got {args.warmup}")
+        raise UsageError(f"--warmup: must be >= 0, got {args.warmup}")
     if args.refine < 0:
-        raise cli.UsageError(f"--refine: must be >= 0, got {args.refine}")
+        raise UsageError(f"--refine: must be >= 0, got {args.refine}")
     if args.threads is not None:
         if args.threads < 1:
-            raise cli.UsageError(f"--threads: must be >= 1, got {args.threads}")
+            raise UsageError(f"--threads: must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     elif args.device == "cpu":
         # Workers run one torch thread each; a second thread also makes timings on a
@@ -67,7 +67,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         )
         grid.shapes()
     except ValueError as exc:
-        raise cli.UsageError(f"--budget-grid/--batch-grid/--context-grid: {exc}") from exc
+        raise UsageError(f"--budget-grid/--batch-grid/--context-grid: {exc}") from exc
 
     def progress(done: int, total: int) -> None:
         print(f"  round {done}/{total}", file=sys.stderr, flush=True)
@@ -79,7 +79,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         else:
             model_dir = Path(args.model)
             if not model_dir.is_dir():
-                raise cli.UsageError(f"--model: {args.model} is not a folder (or 'tiny')")
+                raise UsageError(f"--model: {args.model} is not a folder (or 'tiny')")
             model_name = model_dir.resolve().name
         print(
             f"profiling {model_name} on {args.device}: {len(grid.shapes())} batch shapes x "
@@ -103,12 +103,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 progress=progress,
             )
         except CheckpointError as exc:
-            raise cli.UsageError(f"--model: {exc}") from exc
+            raise UsageError(f"--model: {exc}") from exc
         except ProfileFitError as exc:
             print(f"sara: {exc}", file=sys.stderr)
             return EXIT_FIT_FAILED
         except ValueError as exc:
-            raise cli.UsageError(str(exc)) from exc
+            raise UsageError(str(exc)) from exc
 
     profile = run.profile
     if args.name:
@@ -120,7 +120,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(profile.to_json(), encoding="utf-8")
     except OSError as exc:
-        raise cli.UsageError(f"--out: cannot write {out}: {exc.strerror}") from exc
+        raise UsageError(f"--out: cannot write {out}: {exc.strerror}") from exc
     print(format_report(run))
     print(f"wrote {out}")
     return 0

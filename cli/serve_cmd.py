@@ -31,9 +31,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from controller import cli
-from controller.cli_controller import _close, run_with_api
-from controller.cli_worker import DEFAULT_MODEL_CACHE, resolve_model
+from cli import common
+from cli.common import UsageError
+from cli.runtime import DEFAULT_MODEL_CACHE, python_cli, resolve_model, run_with_api
+from controller.closing import close_if_closable
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
@@ -46,14 +47,9 @@ CONFIG_FILE = "config.json"
 STARTUP_TIMEOUT_S = 60.0
 
 
-def _python_cli(*args: str) -> list[str]:
-    """Run a `sara` subcommand with this interpreter (works without the entry point)."""
-    return [sys.executable, "-m", "controller.cli", *args]
-
-
 def worker_command(pool: Pool, *, redis_url: str, model_dir: Path, args: Any) -> list[str]:
     """The local actuator's argv template of one pool's worker (``{port}``, ``{index}``)."""
-    return _python_cli(
+    return python_cli(
         "worker",
         pool.value,
         "--redis",
@@ -79,12 +75,12 @@ def _wait_http(url: str, what: str, timeout_s: float, process: subprocess.Popen[
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise cli.UsageError(f"{what} exited with status {process.returncode} at start")
+            raise UsageError(f"{what} exited with status {process.returncode} at start")
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as reply:
             if reply.status == 200:
                 return
         time.sleep(0.2)
-    raise cli.UsageError(f"{what} did not answer {url} within {timeout_s:.0f} s")
+    raise UsageError(f"{what} did not answer {url} within {timeout_s:.0f} s")
 
 
 @contextlib.contextmanager
@@ -97,7 +93,7 @@ def _redis(url: str | None) -> Iterator[str]:
     try:
         server = RedisServer.start()
     except RedisServerError as exc:
-        raise cli.UsageError(f"--redis: no URL given and {exc}") from exc
+        raise UsageError(f"--redis: no URL given and {exc}") from exc
     try:
         logger.info("redis on %s", server.url)
         yield server.url
@@ -107,10 +103,10 @@ def _redis(url: str | None) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _router(args: argparse.Namespace, redis_url: str, model_dir: Path, log: Path) -> Iterator[str]:
-    host, port = cli.parse_listen("--listen", args.listen)
+    host, port = common.parse_listen("--listen", args.listen)
     with log.open("ab") as out:
         process = subprocess.Popen(
-            _python_cli(
+            python_cli(
                 "router",
                 "--listen",
                 f"{host}:{port}",
@@ -154,9 +150,9 @@ def _store(args: argparse.Namespace, state_dir: Path) -> FileConfigStore:
             base["slo"]["tpot_p99_s"] = args.tpot_p99_s
         config = ControllerConfig.from_dict(base)
     except (OSError, json.JSONDecodeError) as exc:
-        raise cli.UsageError(f"--config: {exc}") from exc
+        raise UsageError(f"--config: {exc}") from exc
     except ConfigError as exc:
-        raise cli.UsageError(f"--config: {exc}") from exc
+        raise UsageError(f"--config: {exc}") from exc
     state_dir.mkdir(parents=True, exist_ok=True)
     store = FileConfigStore(state_dir / CONFIG_FILE)
     store.replace(config, expected_version=None)  # this run's config wins over a stale one
@@ -173,11 +169,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     store = _store(args, state_dir)
     config = store.load().config
-    api_host, api_port = cli.parse_listen("--api-listen", args.api_listen)
+    api_host, api_port = common.parse_listen("--api-listen", args.api_listen)
     try:
         token = load_api_token(file=args.api_token_file)
     except (OSError, ValueError) as exc:
-        raise cli.UsageError(f"--api-token-file: {exc}") from exc
+        raise UsageError(f"--api-token-file: {exc}") from exc
     model_dir = resolve_model(args.model, Path(args.model_cache)).resolve()
     log_dir = state_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -219,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
             run_with_api(loop, token=token, host=api_host, port=api_port)
         finally:
-            _close(actuator)
+            close_if_closable(actuator)
     return 0
 
 

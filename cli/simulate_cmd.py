@@ -18,15 +18,14 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from controller import cli
-from controller.config import ControllerConfig
+from cli import common
+from cli.common import UsageError
 from queueing.lengths import LengthSamples
 from queueing.solver import InfeasibleSLOError, solve
 from sim.backtest import DEFAULT_SERIES_WINDOW_S, BacktestResult, compare
@@ -39,19 +38,19 @@ def _workload(args: argparse.Namespace, rng: np.random.Generator) -> Trace:
     from sim import workload
 
     if args.trace and args.lengths:
-        raise cli.UsageError("--trace: give either --trace, or --lengths with --arrival-rate")
+        raise UsageError("--trace: give either --trace, or --lengths with --arrival-rate")
     if args.trace:
-        trace = cli.load_trace_arg(args.trace)
+        trace = common.load_trace_arg(args.trace)
     else:
         if not args.lengths or args.arrival_rate is None:
-            raise cli.UsageError(
+            raise UsageError(
                 "--trace: give --trace FILE, or --lengths FILE with --arrival-rate RPS"
             )
-        cli._positive("--arrival-rate", args.arrival_rate)
-        cli._positive("--duration-s", args.duration_s)
+        common.positive("--arrival-rate", args.arrival_rate)
+        common.positive("--duration-s", args.duration_s)
         ca2 = 1.0 if args.ca2 is None else args.ca2
-        cli._positive("--ca2", ca2)
-        lengths = cli.load_lengths_arg(args.lengths)
+        common.positive("--ca2", ca2)
+        lengths = common.load_lengths_arg(args.lengths)
         arrivals = workload.gamma_arrivals(
             rate_rps=args.arrival_rate, ca2=ca2, duration_s=args.duration_s, rng=rng
         )
@@ -67,12 +66,12 @@ def _workload(args: argparse.Namespace, rng: np.random.Generator) -> Trace:
             end = float(trace.arrival_s[-1]) + 1.0 if args.slice_end is None else args.slice_end
             trace = workload.time_slice(trace, start_s=start, end_s=end)
         if args.rate_scale != 1.0:
-            cli._positive("--rate-scale", args.rate_scale)
+            common.positive("--rate-scale", args.rate_scale)
             trace = workload.scale_rate(trace, args.rate_scale, rng)
     except (ValueError, TraceError) as exc:
-        raise cli.UsageError(str(exc)) from exc
+        raise UsageError(str(exc)) from exc
     if len(trace) < 3:
-        raise cli.UsageError("--trace: the workload has fewer than 3 requests")
+        raise UsageError("--trace: the workload has fewer than 3 requests")
     return trace
 
 
@@ -80,20 +79,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.policy or args.compare:
         return cmd_backtest(args)
     if args.report:
-        raise cli.UsageError("--report: needs --policy or --compare")
-    headroom = cli.DEFAULT_HEADROOM if args.headroom is None else args.headroom
+        raise UsageError("--report: needs --policy or --compare")
+    headroom = common.DEFAULT_HEADROOM if args.headroom is None else args.headroom
     rng = np.random.default_rng(args.seed)
     trace = _workload(args, rng)
-    profile = cli.load_profile(args.profile)
-    slo = cli._slo(args)
-    link = cli._link(args)
+    profile = common.load_profile_arg(args.profile)
+    slo = common.slo_targets(args)
+    link = common.kv_link(args)
     lengths = LengthSamples(
         prompt_tokens=trace.prompt_tokens, output_tokens=trace.output_tokens, source=trace.source
     )
     if (args.prefill_workers is None) != (args.decode_workers is None):
-        raise cli.UsageError("--prefill-workers: give both --prefill-workers and --decode-workers")
+        raise UsageError("--prefill-workers: give both --prefill-workers and --decode-workers")
     try:
-        model = cli.build_model(lengths, profile, slo, link)
+        model = common.build_model(lengths, profile, slo, link)
         if args.prefill_workers is None:
             answer = solve(
                 model,
@@ -106,7 +105,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             prefill, decode = args.prefill_workers, args.decode_workers
     except InfeasibleSLOError as exc:
-        cli._fail(str(exc), cli.EXIT_INFEASIBLE)
+        common.fail(str(exc), common.EXIT_INFEASIBLE)
     try:
         config = ClusterConfig(
             prefill_workers=prefill,
@@ -118,7 +117,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             startup_s=args.startup_s,
         )
     except ValueError as exc:
-        raise cli.UsageError(str(exc)) from exc
+        raise UsageError(str(exc)) from exc
     started = time.perf_counter()
     results = Cluster(config, trace).run()
     wall_s = time.perf_counter() - started
@@ -138,7 +137,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         for key, value in out.items():
-            print(f"{key:<22}  {cli._fmt(value)}")
+            print(f"{key:<22}  {common.fmt(value)}")
     return 0
 
 
@@ -151,7 +150,7 @@ def _policy_names(args: argparse.Namespace) -> list[str]:
     flag = "--policy" if args.policy else "--compare"
     for name in names:
         if name not in POLICY_NAMES:
-            raise cli.UsageError(
+            raise UsageError(
                 f"{flag}: unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}"
             )
     return list(dict.fromkeys(names))  # keep the order, drop repeats
@@ -192,16 +191,16 @@ def cmd_backtest(args: argparse.Namespace) -> int:
     names = _policy_names(args)
     for flag, value in (("--startup-s", args.startup_s),):
         if value is not None and not (math.isfinite(value) and value >= 0):
-            raise cli.UsageError(f"{flag}: must be a number >= 0, got {value}")
-    cli._positive("--window-s", args.window_s)
+            raise UsageError(f"{flag}: must be a number >= 0, got {value}")
+    common.positive("--window-s", args.window_s)
     if (args.prefill_workers is None) != (args.decode_workers is None):
-        raise cli.UsageError("--prefill-workers: give both --prefill-workers and --decode-workers")
+        raise UsageError("--prefill-workers: give both --prefill-workers and --decode-workers")
     rng = np.random.default_rng(args.seed)
     trace = _workload(args, rng)
-    profile = cli.load_profile(args.profile)
-    slo = cli._slo(args)
-    link = cli._link(args)
-    headroom = ControllerConfig().headroom if args.headroom is None else args.headroom
+    profile = common.load_profile_arg(args.profile)
+    slo = common.slo_targets(args)
+    link = common.kv_link(args)
+    headroom = common.DEFAULT_HEADROOM if args.headroom is None else args.headroom
     try:
         scenario = Scenario(
             profile=profile, slo=slo, link=link, startup_s=args.startup_s, headroom=headroom
@@ -218,9 +217,9 @@ def cmd_backtest(args: argparse.Namespace) -> int:
             )
         )
     except InfeasibleSLOError as exc:
-        cli._fail(str(exc), cli.EXIT_INFEASIBLE)
+        common.fail(str(exc), common.EXIT_INFEASIBLE)
     except ValueError as exc:
-        raise cli.UsageError(str(exc)) from exc
+        raise UsageError(str(exc)) from exc
     progress = None if args.no_progress else Progress(sys.stderr, names)
     try:
         results = compare(
@@ -232,7 +231,7 @@ def cmd_backtest(args: argparse.Namespace) -> int:
             progress=progress,
         )
     except ValueError as exc:
-        raise cli.UsageError(str(exc)) from exc
+        raise UsageError(str(exc)) from exc
     description = {
         "workload": trace.source,
         "requests": len(trace),
@@ -269,13 +268,13 @@ def _print_backtest(description: dict[str, Any], results: dict[str, BacktestResu
     from sim.report import format_table, reference_policy, summary_rows
 
     for key, value in description.items():
-        print(f"{key:<16}  {cli._fmt(value)}")
+        print(f"{key:<16}  {common.fmt(value)}")
     print()
     reference = reference_policy(results)
     print(format_table(summary_rows(results, reference=reference), reference=reference))
 
 
-def register(sub: Any, add_slo_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def register(sub: Any) -> None:
     p = sub.add_parser("simulate", help="replay a workload on a simulated cluster")
     p.add_argument("--trace", metavar="FILE", help="trace to replay (Azure, Mooncake, generic)")
     p.add_argument("--lengths", metavar="FILE", help="lengths for a generated workload")
@@ -298,9 +297,8 @@ def register(sub: Any, add_slo_args: Callable[[argparse.ArgumentParser], None]) 
         type=float,
         default=None,
         metavar="F",
-        help=f"solver headroom: plan for SLO / (1 + F) (default {cli.DEFAULT_HEADROOM:g} for "
-        f"fixed pools; with --policy the controller's default, "
-        f"{ControllerConfig().headroom:g})",
+        help=f"solver headroom: plan for SLO / (1 + F) (default {common.DEFAULT_HEADROOM:g}, "
+        f"the controller's)",
     )
     p.add_argument(
         "--policy",
@@ -329,5 +327,5 @@ def register(sub: Any, add_slo_args: Callable[[argparse.ArgumentParser], None]) 
     p.add_argument("--report", metavar="DIR", help="write an HTML report with plots to DIR")
     p.add_argument("--no-progress", action="store_true", help="print no progress on stderr")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's randomness")
-    add_slo_args(p)
+    common.add_slo_args(p)
     p.set_defaults(func=cmd_simulate)

@@ -84,7 +84,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     prefill_port, decode_port = free_port(), free_port() + 100
     serve = subprocess.Popen(
         [
-            sys.executable, "-m", "controller.cli", "serve",
+            sys.executable, "-m", "cli", "serve",
             "--model-cache", str(work / "models"), "--config", str(work / "config.json"),
             "--state-dir", str(work / "state"), "--listen", f"127.0.0.1:{router_port}",
             "--api-listen", f"127.0.0.1:{api_port}", "--prefill-port", str(prefill_port),

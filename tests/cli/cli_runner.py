@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.cli import main
+from cli.__main__ import main
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from queueing.catalog import resolve_profile
-from tests.controller.cli_runner import run_cli as run
+from tests.cli.cli_runner import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONV = str(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv")
@@ -155,7 +155,7 @@ def test_profiles_lists_every_builtin(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_the_console_script_entry_point_runs() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "profiles", "--json"],
+        [sys.executable, "-m", "cli", "profiles", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,

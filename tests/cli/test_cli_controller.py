@@ -72,7 +72,7 @@ def test_the_controller_decides_from_scraped_metrics_and_takes_config_edits(
     config_file.write_text(json.dumps(seed))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "controller.cli", "controller", "--config", str(config_file),
+    cmd = [sys.executable, "-m", "cli", "controller", "--config", str(config_file),
            "--state-dir", str(tmp_path / "state"), "--listen", f"127.0.0.1:{port}",
            "--actuator", "advisory", "--metrics-source", "scrape", router.url]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "SARA_API_TOKEN": TOKEN},

@@ -13,7 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controller.cli import main
+from cli.__main__ import main
+from cli.loadgen import (
+    PlanOptions,
+    RequestResult,
+    ResultStatus,
+    build_plan,
+    completions_url,
+    summarize,
+)
 from sim.trace import Trace
 from tests.workers.conftest import (
     KEYS,
@@ -21,14 +29,6 @@ from tests.workers.conftest import (
     ServerThread,
     byte_detokenize,
     byte_tokenize,
-)
-from workers.loadgen import (
-    PlanOptions,
-    RequestResult,
-    ResultStatus,
-    build_plan,
-    completions_url,
-    summarize,
 )
 from workers.redis_util import RedisServer, free_port
 from workers.router import RouterConfig, create_router_app

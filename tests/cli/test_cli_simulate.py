@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.controller.cli_runner import run_cli as run
+from tests.cli.cli_runner import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONV = str(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv")

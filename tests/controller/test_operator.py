@@ -60,7 +60,7 @@ from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.pools import Pool
 from queueing.solver import CapacityModel, KvLink, SloTargets, solve
-from tests.controller.cli_runner import run_cli
+from tests.cli.cli_runner import run_cli
 
 T = TypeVar("T")
 NAMESPACE = "llm"
@@ -852,7 +852,7 @@ def test_sara_operator_runs_loops_serves_the_api_and_stops_on_sigterm(
     command = [
         sys.executable,
         "-c",
-        "from controller.cli import main; raise SystemExit(main())",
+        "from cli.__main__ import main; raise SystemExit(main())",
         "operator",
         "--standalone",
         "--namespace",

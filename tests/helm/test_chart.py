@@ -815,7 +815,7 @@ def test_torch_kv_transport_advertises_the_pod_ip_to_the_peers(render: Render) -
 def test_every_container_command_is_one_the_sara_cli_accepts(render: Render, name: str) -> None:
     """The chart and the CLI must agree: each sara container's args parse with the real
     parser (a flag the CLI lacks exits with status 2)."""
-    from controller.cli import build_parser
+    from cli.__main__ import build_parser
 
     parser = build_parser()
     checked = 0

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 import numpy as np
 
-from controller.cli import main
+from cli.__main__ import main
 from queueing.profile import IterationProfile, attention_pairs
 from workers.paged_attention import SeqSlice
 from workers.profiler import (

@@ -40,7 +40,7 @@ KEYS = KeySpace()
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "controller.cli", *args]
+    return [sys.executable, "-m", "cli", *args]
 
 
 @dataclass

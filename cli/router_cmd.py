@@ -1,0 +1,87 @@
+"""`sara router`: the OpenAI-compatible router of the data plane.
+
+    sara router --listen 127.0.0.1:8000 --redis redis://127.0.0.1:6379 --model DIR
+
+The router imports no torch: it reads the checkpoint's ``config.json`` and
+``tokenizer.json`` only (``--model tiny`` is generated once into ``--model-cache``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+from cli import common
+from cli.common import UsageError
+from cli.runtime import add_deployment_args, resolve_model
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from controller.http_server import serve_http
+    from workers.router import RouterConfig, create_router_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(message)s")
+    host, port = common.parse_listen("--listen", args.listen)
+    model_dir = resolve_model(args.model, Path(args.model_cache))
+    try:
+        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        context = int(model_config["max_position_embeddings"])
+        vocab = int(model_config["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--model: cannot read {model_dir / 'config.json'}: {exc}") from exc
+    tokenize, detokenize = _tokenizer(model_dir)
+    try:
+        config = RouterConfig(
+            redis_url=args.redis,
+            max_context_tokens=context,
+            model_name=args.model_name or model_dir.resolve().name,
+            vocab_size=vocab,
+            max_queued_requests=args.max_queued,
+            request_timeout_s=args.request_timeout_s,
+            key_prefix=args.key_prefix,
+        )
+    except ValueError as exc:
+        raise UsageError(f"--{str(exc).split(':')[0].replace('_', '-')}: {exc}") from exc
+    app = create_router_app(
+        config, tokenize=tokenize, detokenize=detokenize, new_seed=lambda: secrets.randbits(63)
+    )
+    serve_http(app, host=host, port=port, access_log=False)
+    return 0
+
+
+def _tokenizer(model_dir: Path) -> tuple[Any, Any]:
+    """Text in and out through ``tokenizer.json``; without one, prompts must be token ids."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+
+        def no_text(text: str) -> list[int]:
+            raise ValueError("this model has no tokenizer.json: send the prompt as token ids")
+
+        return no_text, lambda ids: ""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer.encode(text).ids)
+
+    def detokenize(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids))
+
+    return tokenize, detokenize
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("router", help="the OpenAI-compatible router")
+    add_deployment_args(p)
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")
+    p.add_argument("--model-name", help="the id /v1/models shows (default: the folder's name)")
+    p.add_argument("--max-queued", type=int, default=1024, help="admission limit (429 beyond)")
+    p.add_argument(
+        "--request-timeout-s", type=float, default=300.0, help="arrival to last token, seconds"
+    )
+    p.set_defaults(func=cmd_router)
