@@ -241,7 +241,7 @@ def test_advisory_mode_decides_but_never_actuates() -> None:
     d = decide(observation(0.0, 40.0, 1, 1), ControllerState(), config, now_s=0.0)
     assert d.prefill_target > 1
     assert not d.actuate
-    assert any("advisory" in r.detail for r in d.reasons)
+    assert Reason.ADVISORY in {r.reason for r in d.reasons}
 
 
 def test_the_gpu_budget_splits_workers_to_minimise_the_worst_slo_ratio() -> None:
