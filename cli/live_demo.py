@@ -163,7 +163,7 @@ def _fmt(value: Any, spec: float) -> str:
 def run_phases(
     router: str, phases: list[Phase], args: argparse.Namespace, timeline: Timeline, t0: float
 ) -> list[tuple[Phase, dict[str, Any]]]:
-    reports = []
+    reports: list[tuple[Phase, dict[str, Any]]] = []
     for phase in phases:
         timeline.phase_at.append((time.monotonic() - t0, phase.name))
         out = subprocess.run(
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         Phase(name="burst", rate_scale=args.burst_rate, duration_s=args.burst_s),
         Phase(name="after", rate_scale=args.calm_rate, duration_s=args.after_s),
     ]
-    from controller import demo as planning
+    from cli import demo as planning
     from workers.redis_util import free_port
 
     started = time.monotonic()
