@@ -1,9 +1,10 @@
 """The controller's REST API (DESIGN §4): config, status, decisions, probes, metrics.
 
-This is the only place Pydantic appears. The models below mirror the
-``ControllerConfig`` document for types, ranges, defaults and the OpenAPI schema;
-every accepted request is then converted to the frozen dataclass, whose validation
-is the single source of the cross-field rules (min <= max, a GPU budget that covers
+This is the only place Pydantic appears. The models below are generated from the
+``ControllerConfig`` fields' metadata (``controller.config.knob``): types, ranges,
+defaults and descriptions, hence the OpenAPI schema; every accepted request is then
+converted to the frozen dataclass, whose validation is the single source of the
+cross-field rules (min <= max, a GPU budget that covers
 the minimums, ...). Whatever is rejected is a 4xx and leaves the stored config as
 it was; no input can cause a 5xx.
 
@@ -12,17 +13,16 @@ and validates the body before dependencies run: a client without the token gets
 401/403 whatever it sent, never a validation report. PUT and PATCH always need
 ``Authorization: Bearer <token>``; reads need it only with ``open_reads=False``;
 the probes and the OpenAPI document are always open.
-
-``python -m controller.api`` prints the config-fields table of ``docs/api.md``.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import hmac
-import json
 import math
 import os
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -34,14 +34,7 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.routing import Route
 
-from controller.config import (
-    CalibrationConfig,
-    ConfigError,
-    ControllerConfig,
-    Mode,
-    PoolLimits,
-    SloConfig,
-)
+from controller.config import ConfigError, ControllerConfig, knob_fields
 from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.store import ConfigStore, VersionConflictError, VersionedConfig
 
@@ -64,171 +57,58 @@ _IF_MATCH_DOC = (
 # strict: no "2" for 2, no 1 for true, no 2.0 for an integer; the document's own
 # validation would reject most of these too, but a coercion here would hide them.
 _DOCUMENT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-_D = ControllerConfig()
-_POOL = PoolLimits()
-_SLO = SloConfig()
-_CAL = CalibrationConfig()
 
 
-class PoolLimitsModel(BaseModel):
-    """Replica bounds of one pool; min_replicas <= max_replicas."""
+class _Document(BaseModel):
+    """The base of the generated config models."""
 
     model_config = _DOCUMENT
-    min_replicas: int = Field(
-        default=_POOL.min_replicas,
-        ge=0,
-        description="Fewest workers the controller keeps (0 lets the pool scale to zero).",
-    )
-    max_replicas: int = Field(
-        default=_POOL.max_replicas,
-        ge=1,
-        description="Most workers the controller asks for; at least min_replicas.",
-    )
 
 
-class SloModel(BaseModel):
-    """The service-level objectives the pools are sized for."""
-
-    model_config = _DOCUMENT
-    ttft_p99_s: float = Field(
-        default=_SLO.ttft_p99_s,
-        gt=0,
-        description="Target P99 time to first token, seconds (sizes the prefill pool).",
-    )
-    tpot_p99_s: float = Field(
-        default=_SLO.tpot_p99_s,
-        gt=0,
-        description="Target P99 time per output token, seconds (sizes the decode pool).",
-    )
-
-
-class CalibrationModel(BaseModel):
-    """Online correction of the model by the observed / predicted P99 of each pool."""
-
-    model_config = _DOCUMENT
-    enabled: bool = Field(default=_CAL.enabled, description="Correct the model online.")
-    ema_weight: float = Field(
-        default=_CAL.ema_weight,
-        ge=0,
-        le=1,
-        description="Weight of the newest observed/predicted ratio in its moving average.",
-    )
-    min_factor: float = Field(
-        default=_CAL.min_factor,
-        gt=0,
-        le=1,
-        description="Smallest correction factor applied to a prediction.",
-    )
-    max_factor: float = Field(
-        default=_CAL.max_factor,
-        ge=1,
-        description="Largest correction factor applied to a prediction.",
-    )
-
-
-class ConfigDocument(BaseModel):
-    """Every knob of the control loop. Fields left out of a PUT take their defaults.
-
-    Cross-field rules checked on the whole document: stale_after_s >= window_s,
-    min_replicas <= max_replicas per pool, gpu_budget >= the sum of the pools'
-    min_replicas.
-    """
-
-    model_config = _DOCUMENT
-    mode: Mode = Field(
-        default=_D.mode,
-        strict=False,  # JSON has no enums: the value arrives as its string
-        description="active: decide and scale; advisory: decide and publish, never scale.",
-    )
-    profile: str = Field(
-        default=_D.profile,
-        min_length=1,
-        description="Iteration-time profile: a built-in name or a profile JSON path.",
-    )
-    slo: SloModel = Field(default_factory=SloModel, description="The SLOs.")
-    headroom: float = Field(
-        default=_D.headroom,
-        ge=0,
-        lt=10,
-        description="Plan for SLO / (1 + headroom): 0.15 sizes for 87 % of each target.",
-    )
-    interval_s: float = Field(
-        default=_D.interval_s, gt=0, description="Seconds between control ticks."
-    )
-    window_s: float = Field(default=_D.window_s, gt=0, description="Measurement window, seconds.")
-    stale_after_s: float = Field(
-        default=_D.stale_after_s,
-        gt=0,
-        description="Observations older than this (seconds) are stale: the tick holds. "
-        "At least window_s.",
-    )
-    ema_weight: float = Field(
-        default=_D.ema_weight,
-        gt=0,
-        le=1,
-        description="Arrival-rate EMA weight: smoothed = (1 - w) * old + w * measured.",
-    )
-    burst_window_s: float = Field(
-        default=_D.burst_window_s,
-        gt=0,
-        description="Short window for burst detection, seconds.",
-    )
-    burst_ratio: float = Field(
-        default=_D.burst_ratio,
-        gt=1,
-        description="A short-window rate above burst_ratio * EMA bypasses smoothing upward.",
-    )
-    dead_band: float = Field(
-        default=_D.dead_band,
-        ge=0,
-        lt=1,
-        description="No change while |target - current| / current is below this fraction.",
-    )
-    max_step_fraction: float = Field(
-        default=_D.max_step_fraction,
-        gt=0,
-        description="Largest change per tick as a fraction of current replicas (at least 1).",
-    )
-    scale_up_cooldown_s: float = Field(
-        default=_D.scale_up_cooldown_s,
-        ge=0,
-        description="After a change, seconds before the next scale-up.",
-    )
-    scale_down_cooldown_s: float = Field(
-        default=_D.scale_down_cooldown_s,
-        ge=0,
-        description="After a change, seconds before the next scale-down.",
-    )
-    scale_down_stabilisation_s: float = Field(
-        default=_D.scale_down_stabilisation_s,
-        ge=0,
-        description="A lower target must hold this many seconds before scaling down.",
-    )
-    kv_link_gbps: float = Field(
-        default=_D.kv_link_gbps,
-        gt=0,
-        description="KV-cache transfer bandwidth between the pools, Gbit/s.",
-    )
-    prefill: PoolLimitsModel = Field(
-        default_factory=PoolLimitsModel, description="Prefill pool replica bounds."
-    )
-    decode: PoolLimitsModel = Field(
-        default_factory=PoolLimitsModel, description="Decode pool replica bounds."
-    )
-    gpu_budget: int | None = Field(
-        default=_D.gpu_budget,
-        ge=1,
-        description="GPUs both pools may use together (a worker uses the profile's "
-        "tensor-parallel degree of GPUs); null: unlimited. At least "
-        "prefill.min_replicas + decode.min_replicas.",
-    )
-    calibration: CalibrationModel = Field(
-        default_factory=CalibrationModel, description="Online model calibration."
-    )
-
+class _ConfigDocumentBase(_Document):
     def to_config(self) -> ControllerConfig:
         """The frozen config; raises ``ConfigError`` (field named) on a cross-field rule."""
         return ControllerConfig.from_dict(self.model_dump(mode="json"))
+
+
+@functools.cache  # one model per block: prefill and decode share PoolLimitsModel
+def _model_of(cls: type, name: str, base: type[BaseModel] = _Document) -> type[BaseModel]:
+    """The Pydantic model of config block ``cls``, field by field from its ``knob``
+    metadata: type, default, bounds and description (the OpenAPI of /v1/config)."""
+    definitions: dict[str, Any] = {}
+    for item in knob_fields(cls):
+        meta = item.knob
+        if item.block is not None:
+            nested = _model_of(item.block, f"{item.block.__name__.removesuffix('Config')}Model")
+            definitions[item.name] = (
+                nested,
+                Field(default_factory=nested, description=meta.doc),
+            )
+            continue
+        default = item.default
+        is_enum = isinstance(item.type, type) and issubclass(item.type, enum.Enum)
+        definitions[item.name] = (
+            item.type,
+            Field(
+                default=default,
+                description=meta.doc,
+                gt=meta.gt,
+                ge=meta.ge,
+                lt=meta.lt,
+                le=meta.le,
+                min_length=meta.min_length,
+                # JSON has no enums: the value arrives as its string.
+                strict=False if is_enum else None,
+            ),
+        )
+    doc = (cls.__doc__ or "").strip()
+    return create_model(name, __base__=base, __doc__=doc, **definitions)
+
+
+if TYPE_CHECKING:
+    ConfigDocument = _ConfigDocumentBase  # its fields are generated
+else:
+    ConfigDocument = _model_of(ControllerConfig, "ConfigDocument", _ConfigDocumentBase)
 
 
 def _patch_model(model: type[BaseModel]) -> type[BaseModel]:
@@ -642,76 +522,3 @@ def _check_token(token: str, *, where: str) -> str:
             "(it travels in an HTTP header)"
         )
     return token
-
-
-# --------------------------------------------------------------------------------------
-# The config-fields table of docs/api.md
-# --------------------------------------------------------------------------------------
-
-
-def config_fields_markdown() -> str:
-    """The table of every config field: dotted name, type, default, range, meaning.
-
-    Defaults come from ``ControllerConfig()`` itself; types, ranges and meanings from
-    the REST models, so the table is what both the API and the loop enforce.
-    """
-    defaults = _flatten(ControllerConfig().to_dict())
-    lines = [
-        "| field | type | default | allowed | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for name, info in _leaf_fields(ConfigDocument, ""):
-        meaning = str(info.description).replace("|", r"\|")  # a bare | would split the cell
-        lines.append(
-            f"| `{name}` | {_type_name(info.annotation)} | `{_json_literal(defaults[name])}` "
-            f"| {_range(info.metadata)} | {meaning} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _leaf_fields(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, Any]]:
-    for name, info in model.model_fields.items():
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            yield from _leaf_fields(annotation, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", info
-
-
-def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _type_name(annotation: Any) -> str:
-    if isinstance(annotation, type) and issubclass(annotation, Mode):
-        return " \\| ".join(f'"{mode.value}"' for mode in Mode)
-    names = {bool: "boolean", int: "integer", float: "number", str: "string"}
-    if annotation in names:
-        return names[annotation]
-    members = getattr(annotation, "__args__", ())
-    return " \\| ".join("null" if m is type(None) else names.get(m, str(m)) for m in members)
-
-
-def _range(metadata: Sequence[Any]) -> str:
-    symbols = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "min_length": "length ≥"}
-    parts = [
-        f"{symbol} {getattr(item, attribute):g}"
-        for item in metadata
-        for attribute, symbol in symbols.items()
-        if getattr(item, attribute, None) is not None
-    ]
-    return ", ".join(parts) or "—"
-
-
-def _json_literal(value: Any) -> str:
-    return json.dumps(value)
-
-
-if __name__ == "__main__":
-    print(config_fields_markdown(), end="")

@@ -5,12 +5,25 @@ reads, and (in Kubernetes mode) the ``SLOAutoscaler`` spec's knobs. Defaults fol
 the SARA notes (30 s windows, EMA 0.7·old + 0.3·new, 10 % dead-band, at most 50 %
 change per tick, one-window cooldown, 10–20 % headroom) and the Kubernetes HPA
 (300 s scale-down stabilisation).
+
+This module is the one schema of that document. Every field is declared with
+``knob(...)``, which puts its meaning, its unit, its plain bounds and its name in the
+``SLOAutoscaler`` spec into the field's metadata; from that, ``controller.api`` builds
+the REST models (and so the OpenAPI of ``/v1/config``), ``controller.crd.spec`` the
+spec codec and the CRD's schema of the knobs, and ``controller.schema`` the committed
+CRD YAML and the docs' tables. The plain bounds are checked here from the same
+metadata; rules that span fields (min <= max, stale_after_s >= window_s, ...) are
+code in each block's ``validate``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import math
+import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -24,37 +37,220 @@ class Mode(enum.Enum):
     ADVISORY = "advisory"  # decide and publish, never scale
 
 
-def _number(path: str, value: Any, *, minimum: float, strict: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+# --------------------------------------------------------------------------------------
+# Field metadata
+# --------------------------------------------------------------------------------------
+
+_KNOB = "sara.knob"  # the key of a field's Knob in its dataclasses metadata
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knob:
+    """What a config field means and allows, beyond its Python type and default.
+
+    ``doc`` is the one sentence that the OpenAPI, the CRD and the docs' tables show.
+    ``gt``/``ge`` and ``lt``/``le`` are the plain bounds (at most one of each pair);
+    ``min_length`` applies to strings. ``spec_name`` is the field's name in the
+    ``SLOAutoscaler`` spec when it is not the derived one (``KnobField.spec_name``).
+    ``why`` is added to a lower bound's error message when the bound is not
+    self-explanatory.
+    """
+
+    doc: str
+    spec_name: str | None = None
+    unit: str | None = None
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    min_length: int | None = None
+    why: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.doc:
+            raise ValueError("doc: every knob says what it means")
+        if self.gt is not None and self.ge is not None:
+            raise ValueError(f"{self.doc}: give gt or ge, not both")
+        if self.lt is not None and self.le is not None:
+            raise ValueError(f"{self.doc}: give lt or le, not both")
+
+    @property
+    def lower(self) -> float | None:
+        return self.gt if self.gt is not None else self.ge
+
+    @property
+    def upper(self) -> float | None:
+        return self.lt if self.lt is not None else self.le
+
+
+def _camel(name: str) -> str:
+    # Kubernetes spells units out: ``interval_s`` is ``intervalSeconds``.
+    parts = name.split("_")
+    if parts[-1] == "s":
+        parts[-1] = "seconds"
+    return parts[0] + "".join(part[:1].upper() + part[1:] for part in parts[1:])
+
+
+def knob(
+    *,
+    doc: str,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+    spec_name: str | None = None,
+    unit: str | None = None,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    min_length: int | None = None,
+    why: str | None = None,
+) -> Any:
+    """A dataclass field that carries its ``Knob`` in its metadata.
+
+    Without ``spec_name`` the spec's name is the field's in camelCase, a trailing
+    ``_s`` spelt ``Seconds`` (``interval_s`` is ``intervalSeconds``).
+    """
+    meta = Knob(
+        doc=doc,
+        spec_name=spec_name,
+        unit=unit,
+        gt=gt,
+        ge=ge,
+        lt=lt,
+        le=le,
+        min_length=min_length,
+        why=why,
+    )
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata={_KNOB: meta})
+    return field(default=default, metadata={_KNOB: meta})
+
+
+@dataclass(frozen=True, kw_only=True)
+class KnobField:
+    """One field of a config block: its name, Python type, default and ``Knob``."""
+
+    name: str
+    type: Any  # the resolved annotation: bool, int, float, str, Mode, int | None, a block
+    default: Any
+    knob: Knob
+
+    @property
+    def spec_name(self) -> str:
+        """The field's name in the ``SLOAutoscaler`` spec (camelCase)."""
+        return self.knob.spec_name or _camel(self.name)
+
+    @property
+    def block(self) -> type | None:
+        """The nested config block this field holds, if it is one."""
+        return self.type if dataclasses.is_dataclass(self.type) else None
+
+
+@functools.cache  # every validation walks these; the classes never change
+def knob_fields(cls: type) -> tuple[KnobField, ...]:
+    """The fields of config block ``cls`` in declaration order, with their metadata."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for item in fields(cls):
+        meta = item.metadata.get(_KNOB)
+        if not isinstance(meta, Knob):
+            raise TypeError(f"{cls.__name__}.{item.name}: declare it with knob(...)")
+        if item.default_factory is not dataclasses.MISSING:
+            default = item.default_factory()
+        else:
+            default = item.default
+        out.append(KnobField(name=item.name, type=hints[item.name], default=default, knob=meta))
+    return tuple(out)
+
+
+def leaf_knobs(cls: type | None = None, prefix: str = "") -> Iterator[tuple[str, KnobField]]:
+    """Every leaf field below ``cls`` (the whole config by default) with its dotted
+    name (``slo.ttft_p99_s``), depth first in declaration order."""
+    for item in knob_fields(ControllerConfig if cls is None else cls):
+        if item.block is not None:
+            yield from leaf_knobs(item.block, f"{prefix}{item.name}.")
+        else:
+            yield f"{prefix}{item.name}", item
+
+
+def _check(path: str, item: KnobField, value: Any) -> None:
+    """The plain checks of one leaf value: its type and the knob's bounds."""
+    kind, meta = item.type, item.knob
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {value!r}")
+        return
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        if not isinstance(value, kind):
+            raise ConfigError(f"{path}: must be one of {[m.value for m in kind]}, got {value!r}")
+        return
+    if kind is str:
+        if not isinstance(value, str) or len(value) < (meta.min_length or 0):
+            what = "a non-empty string" if meta.min_length else "a string"
+            raise ConfigError(f"{path}: must be {what}, got {value!r}")
+        return
+    members = typing.get_args(kind)
+    if type(None) in members:  # optional: None means "not set", never out of range
+        if value is None:
+            return
+        (kind,) = [member for member in members if member is not type(None)]
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"{path}: must be a finite number, got {value!r}")
-    if value < minimum or (strict and value == minimum):
-        relation = ">" if strict else ">="
-        raise ConfigError(f"{path}: must be {relation} {minimum:g}, got {value!r}")
+    lower, upper = meta.lower, meta.upper
+    if lower is not None and (value < lower or (meta.gt is not None and value == lower)):
+        relation = ">" if meta.gt is not None else ">="
+        why = f" ({meta.why})" if meta.why else ""
+        raise ConfigError(f"{path}: must be {relation} {lower:g}, got {value!r}{why}")
+    if upper is not None and (value > upper or (meta.lt is not None and value == upper)):
+        if meta.ge == 0 and upper == 1:  # a fraction: say the whole interval
+            bracket = ")" if meta.lt is not None else "]"
+            raise ConfigError(f"{path}: must be in [0, 1{bracket}, got {value!r}")
+        relation = "<" if meta.lt is not None else "<="
+        raise ConfigError(f"{path}: must be {relation} {upper:g}, got {value!r}")
 
 
-def _integer(path: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{path}: must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{path}: must be >= {minimum}, got {value!r}")
+def _check_block(block: Any, path: str) -> None:
+    """The plain checks of every field of ``block``; nested blocks validate themselves."""
+    prefix = f"{path}." if path else ""
+    for item in knob_fields(type(block)):
+        value = getattr(block, item.name)
+        if item.block is not None:
+            if not isinstance(value, item.block):
+                raise ConfigError(
+                    f"{prefix}{item.name}: must be a {item.block.__name__}, got {value!r}"
+                )
+            value.validate(f"{prefix}{item.name}")
+        else:
+            _check(f"{prefix}{item.name}", item, value)
 
 
-def _fraction(path: str, value: Any, *, upper_open: bool = True) -> None:
-    _number(path, value, minimum=0.0)
-    if value > 1.0 or (upper_open and value == 1.0):
-        raise ConfigError(f"{path}: must be in [0, 1{')' if upper_open else ']'}, got {value!r}")
+# --------------------------------------------------------------------------------------
+# The blocks
+# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
 class PoolLimits:
-    """Replica bounds of one pool."""
+    """Replica bounds of one pool; min_replicas <= max_replicas."""
 
-    min_replicas: int = 1
-    max_replicas: int = 64
+    min_replicas: int = knob(
+        default=1,
+        unit="workers",
+        ge=0,
+        doc="Fewest workers the controller keeps (0 lets the pool scale to zero).",
+    )
+    max_replicas: int = knob(
+        default=64,
+        unit="workers",
+        ge=1,
+        doc="Most workers the controller asks for; at least min_replicas.",
+    )
 
     def validate(self, path: str) -> None:
-        _integer(f"{path}.min_replicas", self.min_replicas, minimum=0)
-        _integer(f"{path}.max_replicas", self.max_replicas, minimum=1)
+        _check_block(self, path)
         if self.min_replicas > self.max_replicas:
             raise ConfigError(
                 f"{path}.min_replicas: {self.min_replicas} > max_replicas {self.max_replicas}"
@@ -63,95 +259,254 @@ class PoolLimits:
 
 @dataclass(frozen=True, kw_only=True)
 class SloConfig:
-    ttft_p99_s: float = 2.0
-    tpot_p99_s: float = 0.1
+    """The service-level objectives the pools are sized for."""
+
+    ttft_p99_s: float = knob(
+        default=2.0,
+        unit="s",
+        gt=0,
+        doc="Target P99 time to first token, seconds (sizes the prefill pool).",
+    )
+    tpot_p99_s: float = knob(
+        default=0.1,
+        unit="s",
+        gt=0,
+        doc="Target P99 time per output token, seconds (sizes the decode pool).",
+    )
 
     def validate(self, path: str) -> None:
-        _number(f"{path}.ttft_p99_s", self.ttft_p99_s, minimum=0.0, strict=True)
-        _number(f"{path}.tpot_p99_s", self.tpot_p99_s, minimum=0.0, strict=True)
+        _check_block(self, path)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CalibrationConfig:
-    """Online correction of the model by observed/predicted P99 per pool."""
+    """Online correction of the model by the observed / predicted P99 of each pool."""
 
-    enabled: bool = True
-    ema_weight: float = 0.2  # weight of the newest observed/predicted ratio
-    min_factor: float = 0.5
-    max_factor: float = 2.0
+    enabled: bool = knob(default=True, doc="Correct the model online.")
+    ema_weight: float = knob(
+        default=0.2,
+        ge=0,
+        le=1,
+        doc="Weight of the newest observed/predicted ratio in its moving average.",
+    )
+    min_factor: float = knob(
+        default=0.5,
+        gt=0,
+        le=1,
+        doc="Smallest correction factor applied to a prediction.",
+    )
+    max_factor: float = knob(
+        default=2.0,
+        ge=1,
+        doc="Largest correction factor applied to a prediction.",
+    )
 
     def validate(self, path: str) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"{path}.enabled: must be true or false, got {self.enabled!r}")
-        _fraction(f"{path}.ema_weight", self.ema_weight, upper_open=False)
-        _number(f"{path}.min_factor", self.min_factor, minimum=0.0, strict=True)
-        _number(f"{path}.max_factor", self.max_factor, minimum=1.0)
-        if self.min_factor > 1.0:
-            raise ConfigError(f"{path}.min_factor: must be <= 1, got {self.min_factor!r}")
+        _check_block(self, path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForecastConfig:
+    """Planning for the arrival rate one worker start-up ahead: a trend over the last
+    minutes and the daily cycle; trend_window_s holds at least 3 bins of bin_s."""
+
+    enabled: bool = knob(
+        default=False,
+        doc="Size the pools for the forecast rate (when higher than the smoothed one).",
+    )
+    horizon_s: float = knob(
+        default=130.0,
+        unit="s",
+        gt=0,
+        doc="How far ahead the rate matters, seconds: a worker's start-up time plus one tick.",
+    )
+    trend_window_s: float = knob(
+        default=300.0,
+        unit="s",
+        gt=0,
+        doc="The recent past the trend is fitted over, seconds; at least 3 bins of bin_s.",
+    )
+    bin_s: float = knob(
+        default=30.0,
+        unit="s",
+        gt=0,
+        doc="Width of the rate bins the trend is fitted to, seconds.",
+    )
+    min_t_stat: float = knob(
+        default=2.0,
+        ge=0,
+        doc="A trend counts only when its slope's t statistic reaches this.",
+    )
+    min_rise: float = knob(
+        default=0.05,
+        ge=0,
+        doc="A trend counts only when it adds at least this fraction of the rate over the horizon.",
+    )
+    period_s: float = knob(
+        default=86400.0,
+        unit="s",
+        gt=0,
+        doc="Period of the daily cycle, seconds.",
+    )
+    seasonal_smoothing_s: float = knob(
+        default=300.0,
+        unit="s",
+        gt=0,
+        doc="Width of the window a past period's rate is read over, seconds.",
+    )
+    max_level_ratio: float = knob(
+        default=2.0,
+        ge=1,
+        doc="Bound on today's level over the last period's (and its inverse) when "
+        "scaling the cycle.",
+    )
+
+    def validate(self, path: str) -> None:
+        _check_block(self, path)
+        bins = self.trend_window_s / self.bin_s
+        if bins < 3:
+            # Not "must ...": a rule between two fields, not a bound of one.
+            raise ConfigError(
+                f"{path}.trend_window_s: {self.trend_window_s:g} holds {bins:g} bins of "
+                f"bin_s {self.bin_s:g}; a trend needs at least 3"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
 class ControllerConfig:
-    """Every knob of the control loop, with its default."""
+    """Every knob of the control loop. Fields left out take their defaults.
 
-    mode: Mode = Mode.ACTIVE
-    profile: str = "llama-3-8b@h100-sxm"  # built-in profile name or profile JSON path
-    slo: SloConfig = field(default_factory=SloConfig)
-    headroom: float = 0.15  # plan for SLO / (1 + headroom)
-    interval_s: float = 30.0  # one tick per interval
-    window_s: float = 30.0  # measurement window
-    stale_after_s: float = 90.0  # observations older than this are stale
-    ema_weight: float = 0.3  # smoothed = (1 - w) * old + w * measured  (0.7 / 0.3)
-    burst_window_s: float = 5.0  # short window for burst detection
-    burst_ratio: float = 1.5  # short-window rate above ratio * EMA bypasses smoothing
-    dead_band: float = 0.10  # ignore |target - current| / current below this
-    max_step_fraction: float = 0.5  # at most 50 % change per tick (and at least 1)
-    scale_up_cooldown_s: float = 30.0  # after a change, one window before scaling up
-    scale_down_cooldown_s: float = 120.0
-    scale_down_stabilisation_s: float = 300.0  # a lower target must hold this long
-    kv_link_gbps: float = 400.0
-    prefill: PoolLimits = field(default_factory=PoolLimits)
-    decode: PoolLimits = field(default_factory=PoolLimits)
-    gpu_budget: int | None = None  # total GPUs both pools may use; None: unlimited
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    Cross-field rules checked on the whole document: stale_after_s >= window_s,
+    min_replicas <= max_replicas per pool, gpu_budget >= the sum of the pools'
+    min_replicas, forecast.trend_window_s >= 3 * forecast.bin_s.
+    """
+
+    mode: Mode = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
+        default=Mode.ACTIVE,
+        doc="active: decide and scale; advisory: decide and publish, never scale.",
+    )
+    profile: str = knob(
+        default="llama-3-8b@h100-sxm",
+        min_length=1,
+        doc="Iteration-time profile of one worker (model, GPU, tensor parallelism): a "
+        "built-in name (`sara profiles` lists them) or a profile JSON path; a cluster "
+        "takes only built-in names.",
+    )
+    slo: SloConfig = knob(default_factory=SloConfig, doc="The SLOs.")  # noqa: RUF009
+    headroom: float = knob(
+        default=0.15,
+        ge=0,
+        lt=10,
+        doc="Plan for SLO / (1 + headroom): 0.15 sizes for 87 % of each target.",
+    )
+    interval_s: float = knob(default=30.0, unit="s", gt=0, doc="Seconds between control ticks.")
+    window_s: float = knob(
+        default=30.0,
+        unit="s",
+        gt=0,
+        doc="Measurement window of the rates and quantiles, seconds.",
+    )
+    stale_after_s: float = knob(
+        default=90.0,
+        unit="s",
+        gt=0,
+        doc="Observations older than this (seconds) are stale: the tick holds the "
+        "replicas (never scales down on missing data). At least window_s.",
+    )
+    ema_weight: float = knob(
+        default=0.3,
+        gt=0,
+        le=1,
+        why="0 would never follow the load",
+        doc="Arrival-rate EMA weight: smoothed = (1 - w) * old + w * measured.",
+    )
+    burst_window_s: float = knob(
+        default=5.0,
+        unit="s",
+        gt=0,
+        doc="Short window for burst detection, seconds.",
+    )
+    burst_ratio: float = knob(
+        default=1.5,
+        gt=1,
+        doc="A short-window rate above burst_ratio * EMA bypasses smoothing upward.",
+    )
+    dead_band: float = knob(
+        default=0.10,
+        ge=0,
+        lt=1,
+        doc="No change while |target - current| / current is below this fraction.",
+    )
+    max_step_fraction: float = knob(
+        default=0.5,
+        gt=0,
+        doc="Largest change per tick as a fraction of current replicas (at least 1).",
+    )
+    scale_up_cooldown_s: float = knob(
+        default=30.0,
+        unit="s",
+        ge=0,
+        doc="After a change, seconds before the next scale-up.",
+    )
+    scale_down_cooldown_s: float = knob(
+        default=120.0,
+        unit="s",
+        ge=0,
+        doc="After a change, seconds before the next scale-down.",
+    )
+    scale_down_stabilisation_s: float = knob(
+        default=300.0,
+        unit="s",
+        ge=0,
+        doc="A lower target must hold this many seconds before scaling down; the pool "
+        "then shrinks to the highest target seen in that window.",
+    )
+    kv_link_gbps: float = knob(
+        default=400.0,
+        unit="Gbit/s",
+        gt=0,
+        doc="KV-cache transfer bandwidth between the pools, Gbit/s.",
+    )
+    prefill: PoolLimits = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
+        default_factory=PoolLimits,
+        doc="The prefill pool (sets the time to first token).",
+    )
+    decode: PoolLimits = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
+        default_factory=PoolLimits,
+        doc="The decode pool (sets the time per output token).",
+    )
+    gpu_budget: int | None = knob(
+        default=None,
+        unit="GPUs",
+        ge=1,
+        doc="GPUs both pools may use together (a worker uses the profile's "
+        "tensor-parallel degree of GPUs); unset (null): unlimited. At least "
+        "prefill.min_replicas + decode.min_replicas.",
+    )
+    calibration: CalibrationConfig = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
+        default_factory=CalibrationConfig, doc="Online model calibration."
+    )
+    forecast: ForecastConfig = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
+        default_factory=ForecastConfig,
+        doc="Forecasting the arrival rate one worker start-up ahead.",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.mode, Mode):
-            raise ConfigError(f"mode: must be one of {[m.value for m in Mode]}, got {self.mode!r}")
-        if not isinstance(self.profile, str) or not self.profile:
-            raise ConfigError(f"profile: must be a non-empty string, got {self.profile!r}")
-        self.slo.validate("slo")
-        _number("headroom", self.headroom, minimum=0.0)
-        if self.headroom >= 10:
-            raise ConfigError(f"headroom: must be < 10, got {self.headroom!r}")
-        for name in ("interval_s", "window_s", "stale_after_s", "burst_window_s", "kv_link_gbps"):
-            _number(name, getattr(self, name), minimum=0.0, strict=True)
-        _fraction("ema_weight", self.ema_weight, upper_open=False)
-        if self.ema_weight == 0:
-            raise ConfigError("ema_weight: must be > 0 (0 would never follow the load)")
-        _number("burst_ratio", self.burst_ratio, minimum=1.0, strict=True)
-        _fraction("dead_band", self.dead_band)
-        _number("max_step_fraction", self.max_step_fraction, minimum=0.0, strict=True)
-        for name in ("scale_up_cooldown_s", "scale_down_cooldown_s", "scale_down_stabilisation_s"):
-            _number(name, getattr(self, name), minimum=0.0)
+        _check_block(self, "")
         if self.stale_after_s < self.window_s:
             raise ConfigError(
                 f"stale_after_s: {self.stale_after_s} must be >= window_s {self.window_s}"
             )
-        self.prefill.validate("prefill")
-        self.decode.validate("decode")
         if self.gpu_budget is not None:
-            _integer("gpu_budget", self.gpu_budget, minimum=1)
             floor = self.prefill.min_replicas + self.decode.min_replicas
             if self.gpu_budget < floor:
                 raise ConfigError(
                     f"gpu_budget: {self.gpu_budget} is below prefill.min_replicas + "
                     f"decode.min_replicas = {floor} (workers, before tensor parallelism)"
                 )
-        self.calibration.validate("calibration")
 
     # -- JSON document -------------------------------------------------------------------
 
@@ -177,32 +532,25 @@ class ControllerConfig:
         return replace(self, mode=mode)
 
 
-_NESTED: dict[str, type] = {
-    "slo": SloConfig,
-    "prefill": PoolLimits,
-    "decode": PoolLimits,
-    "calibration": CalibrationConfig,
-}
-
-
 def _build(cls: type, data: Any, prefix: str) -> Any:
     where = prefix.rstrip(".") or "config"
-    if not isinstance(data, dict):
+    if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
+    known = {item.name: item for item in knob_fields(cls)}
     for key in data:
         if key not in known:
             raise ConfigError(f"{prefix}{key}: unknown field")
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        if cls is ControllerConfig and key in _NESTED:
-            kwargs[key] = _build(_NESTED[key], value, f"{prefix}{key}.")
-        elif cls is ControllerConfig and key == "mode":
+        item = known[key]
+        if item.block is not None:
+            kwargs[key] = _build(item.block, value, f"{prefix}{key}.")
+        elif isinstance(item.type, type) and issubclass(item.type, enum.Enum):
             try:
-                kwargs[key] = Mode(value)
+                kwargs[key] = item.type(value)
             except ValueError as exc:
                 raise ConfigError(
-                    f"mode: must be one of {[m.value for m in Mode]}, got {value!r}"
+                    f"{prefix}{key}: must be one of {[m.value for m in item.type]}, got {value!r}"
                 ) from exc
         else:
             kwargs[key] = value

@@ -43,6 +43,9 @@ PURE_CORES = {
     "controller.observation",
     "controller.actuator",
     "controller.crd",
+    "controller.crd.spec",
+    "controller.crd.status",
+    "controller.crd.openapi",
     "controller.tick",
 }
 

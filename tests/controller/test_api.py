@@ -17,13 +17,9 @@ import schemathesis
 from fastapi import FastAPI
 from pydantic import BaseModel, ValidationError
 
-from controller.api import (
-    ConfigDocument,
-    config_fields_markdown,
-    create_app,
-    load_api_token,
-)
+from controller.api import ConfigDocument, create_app, load_api_token
 from controller.config import ConfigError, ControllerConfig
+from controller.schema import config_fields_markdown
 from controller.store import (
     ConfigStore,
     FileConfigStore,
@@ -297,6 +293,20 @@ INVALID: list[tuple[str, str, Any, list[str | int], str]] = [
     ("stale before the window", "PATCH", {"stale_after_s": 10}, ["body", "stale_after_s"], ""),
     ("headroom out of range", "PUT", {"headroom": 12}, ["body", "headroom"], ""),
     ("dead band of one", "PATCH", {"dead_band": 1.0}, ["body", "dead_band"], ""),
+    (
+        "negative forecast horizon",
+        "PUT",
+        {"forecast": {"horizon_s": -1.0}},
+        ["body", "forecast", "horizon_s"],
+        "",
+    ),
+    (
+        "fewer than three forecast bins",
+        "PATCH",
+        {"forecast": {"bin_s": 200.0}},
+        ["body", "forecast", "trend_window_s"],
+        "",
+    ),
     ("integer beyond any float", "PUT", {"kv_link_gbps": 10**400}, ["body", "kv_link_gbps"], ""),
     ("not an object", "PUT", [1, 2], ["body"], ""),
     ("a bare number as a patch", "PATCH", 3, ["body"], ""),

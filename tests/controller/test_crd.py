@@ -17,15 +17,17 @@ import numpy as np
 import pytest
 import yaml
 
-from controller import crd
+from controller import crd, schema
 from controller.config import (
     CalibrationConfig,
     ConfigError,
     ControllerConfig,
+    ForecastConfig,
     Mode,
     PoolLimits,
     SloConfig,
 )
+from controller.crd import openapi
 from controller.observation import Observation, PoolObservation
 from controller.policy import ControllerState, decide
 from controller.store import config_version
@@ -142,6 +144,23 @@ def test_the_schema_defaults_are_the_controller_defaults() -> None:
             expected = defaults[config_path]
             expected = expected.value if isinstance(expected, Mode) else expected
             assert node["default"] == expected, spec_path
+
+
+def test_the_committed_crd_is_the_one_generated_from_the_config() -> None:
+    text = CRD_PATH.read_text(encoding="utf-8")
+    assert schema.render_crd(text) == text, "run python -m controller.schema --write"
+
+
+def test_the_generated_spec_schema_is_the_committed_one() -> None:
+    assert openapi.spec_schema() == SPEC_SCHEMA
+
+
+def test_the_spec_names_are_the_config_names_in_camel_case_with_seconds_spelt_out() -> None:
+    knobs = dict(crd.KNOBS)
+    assert knobs["slo.ttftP99Seconds"] == "slo.ttft_p99_s"
+    assert knobs["scaleDownStabilisationSeconds"] == "scale_down_stabilisation_s"
+    assert knobs["kvLinkGbps"] == "kv_link_gbps"
+    assert knobs["forecast.minTStat"] == "forecast.min_t_stat"
 
 
 def test_the_profile_enum_is_the_builtin_catalogue() -> None:
@@ -326,6 +345,12 @@ def test_a_missing_deployment_is_reported_as_required() -> None:
         ("decode.minReplicas", 40, r"^spec\.decode\.minReplicas: 40 > maxReplicas 32$"),
         ("staleAfterSeconds", 10, r"^spec\.staleAfterSeconds: 10 must be >= windowSeconds 30"),
         (
+            "forecast.binSeconds",
+            200,
+            r"^spec\.forecast\.trendWindowSeconds: 300 holds 1\.5 bins of binSeconds 200; "
+            r"a trend needs at least 3$",
+        ),
+        (
             "gpuBudget",
             3,
             r"^spec\.gpuBudget: 3 is below prefill\.minReplicas \+ "
@@ -387,6 +412,17 @@ EVERYTHING_CHANGED = ControllerConfig(
     decode=PoolLimits(min_replicas=0, max_replicas=12),
     gpu_budget=80,
     calibration=CalibrationConfig(enabled=False, ema_weight=0.1, min_factor=0.8, max_factor=1.5),
+    forecast=ForecastConfig(
+        enabled=True,
+        horizon_s=90.0,
+        trend_window_s=600.0,
+        bin_s=60.0,
+        min_t_stat=3.0,
+        min_rise=0.1,
+        period_s=604800.0,
+        seasonal_smoothing_s=600.0,
+        max_level_ratio=1.5,
+    ),
 )
 
 
@@ -664,6 +700,7 @@ def test_going_stale_is_a_warning_event() -> None:
 
 def test_the_operator_docs_list_every_spec_field_status_field_and_condition_reason() -> None:
     docs = (ROOT / "docs/operator.md").read_text(encoding="utf-8")
+    assert openapi.spec_fields_markdown() in docs, "run python -m controller.schema --write"
     for path in leaves(SPEC_SCHEMA):
         assert f"| `{path}` |" in docs, path
     for name in SCHEMA["properties"]["status"]["properties"]:
