@@ -4,26 +4,6 @@ import numpy as np
 import pytest
 
 from queueing.lengths import LengthSamples
-from queueing.profile import IterationProfile
-
-
-@pytest.fixture
-def profile() -> IterationProfile:
-    """A Llama-3-8B-on-H100-like profile, written out by hand for the tests."""
-    return IterationProfile(
-        name="test-8b",
-        model="test-8b",
-        hardware="test-gpu",
-        tensor_parallel=1,
-        t0_s=0.006,
-        t_tok_s=22e-6,
-        t_kv_s=49e-9,
-        t_attn_s=1.06e-9,
-        kv_capacity_tokens=400_000,
-        kv_bytes_per_token=131_072,
-        startup_s=40.0,
-        source="hand-written test profile",
-    )
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from queueing.lengths import LengthSamples
-from queueing.profile import IterationProfile
 from queueing.solver import (
     BindingConstraint,
     CapacityModel,
@@ -17,21 +16,9 @@ from queueing.solver import (
     evaluate,
     solve,
 )
+from tests.profiles import TEST_8B
 
-PROFILE = IterationProfile(
-    name="prop-8b",
-    model="prop-8b",
-    hardware="prop-gpu",
-    tensor_parallel=1,
-    t0_s=0.006,
-    t_tok_s=22e-6,
-    t_kv_s=49e-9,
-    t_attn_s=1.06e-9,
-    kv_capacity_tokens=400_000,
-    kv_bytes_per_token=131_072,
-    startup_s=40.0,
-    source="test",
-)
+PROFILE = TEST_8B
 _rng = np.random.default_rng(11)
 SAMPLES = LengthSamples(
     prompt_tokens=np.clip(_rng.lognormal(np.log(900), 0.8, 4000), 4, 10000).astype(np.int64),

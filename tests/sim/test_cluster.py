@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -13,30 +14,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from queueing.pools import Pool
-from queueing.profile import IterationProfile
 from sim.cluster import Cluster, ClusterConfig
 from sim.results import SimResults
 from sim.trace import Trace
+from tests.profiles import TEST_8B
 from workers.scheduler import SchedulingPolicy
 
 CHUNKED = SchedulingPolicy.CHUNKED_PREFILL
 PREFILL_FIRST = SchedulingPolicy.PREFILL_FIRST
 
-PROFILE = IterationProfile(
-    name="test",
-    model="test",
-    hardware="test",
-    tensor_parallel=2,
-    t0_s=0.004,
-    t_tok_s=1e-4,
-    t_kv_s=2e-6,
-    t_attn_s=3e-9,
-    kv_capacity_tokens=50_000,
-    kv_bytes_per_token=8192,
-    startup_s=5.0,
-    source="hand-written test profile",
+# The cluster tests need four things the shared profile does not have: two GPUs per
+# worker (so GPU-seconds = worker-seconds x tensor_parallel is not a no-op), 0.1 ms per
+# prompt token (40 prompts of 2000 tokens stay a backlog past a 5 s startup), a small
+# KV cache (a few requests exhaust it, for the block-size and can-never-fit
+# rejections) and a 5 s startup (the start/serve times asserted below).
+PROFILE = replace(
+    TEST_8B, tensor_parallel=2, t_tok_s=1e-4, kv_capacity_tokens=50_000, startup_s=5.0
 )
-LINK_BYTES_PER_S = 8192 / 2e-6  # 2 us per token of KV
+LINK_BYTES_PER_S = PROFILE.kv_bytes_per_token / 2e-6  # 2 us per token of KV
 LINK_LATENCY_S = 0.003
 
 

@@ -10,32 +10,20 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from queueing.profile import IterationProfile
 from sim.cluster import Cluster, ClusterConfig
 from sim.decode_worker import DecodeWorker
 from sim.results import SimResults
 from sim.trace import Trace
+from tests.profiles import TEST_8B
 from workers.kv_cache import PagedKVCache
 from workers.scheduler import Scheduler, Sequence, StepPlan
 
-PROFILE = IterationProfile(
-    name="test",
-    model="test",
-    hardware="test",
-    tensor_parallel=1,
-    t0_s=0.004,
-    t_tok_s=2e-4,
-    t_kv_s=3e-6,
-    t_attn_s=1e-8,
-    kv_capacity_tokens=1_000_000,
-    kv_bytes_per_token=4096,
-    startup_s=0.0,
-    source="hand-written test profile",
-)
+PROFILE = TEST_8B
 
 
 def random_trace(
@@ -148,15 +136,13 @@ def test_fast_forward_gives_every_token_at_the_time_stepping_the_scheduler_gives
 ) -> None:
     rng = np.random.default_rng(seed)
     trace = random_trace(rng, 250, rate_rps=25.0, long_prompt_share=long_prompt_share)
-    profile = IterationProfile.from_dict(
-        {**PROFILE.__dict__, "kv_capacity_tokens": kv_capacity_tokens}
-    )
+    profile = replace(PROFILE, kv_capacity_tokens=kv_capacity_tokens)
     config = ClusterConfig(
         prefill_workers=4,
         decode_workers=decode_workers,
         profile=profile,
         token_budget=max_batch,
-        kv_link_bytes_per_s=4096 / 1e-5,  # 10 us per token
+        kv_link_bytes_per_s=PROFILE.kv_bytes_per_token / 1e-5,  # 10 us per token
         kv_link_latency_s=0.002,
         block_size_tokens=16,
     )

@@ -31,6 +31,9 @@ def mmc_cluster_waits(servers: int, rho: float, requests: int, seed: int) -> np.
         output_tokens=np.ones(requests, dtype=np.int64),
         source="M/M/c",
     )
+    # Not the shared tests.profiles.TEST_8B: for the prefill pool to be M/M/c the
+    # service time must be exactly t_tok * L (no t0, KV-read or attention term, and a
+    # KV cache that never blocks), so every coefficient differs by construction.
     profile = IterationProfile(
         name="linear",
         model="none",

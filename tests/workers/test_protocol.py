@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from typing import Any
 
@@ -306,9 +307,25 @@ def test_tokens_are_read_in_order_from_where_the_reader_left_off(streams: Stream
     streams.publish_token("r1", TokenEvent(index=3, token=13, finish_reason=FinishReason.STOP))
     last, events = streams.read_tokens("r1", last)
     assert [(e.index, e.finished) for e in events] == [(3, True)]
+    # With nothing new, a blocking read answers nothing -- and only once its block time
+    # has passed (a lower bound against the configured 100 ms, less 5 ms for Redis
+    # timing blocked reads in whole milliseconds).
     started = time.monotonic()
     assert streams.read_tokens("r1", last, block_ms=100) == (last, [])
-    assert 0.08 < time.monotonic() - started < 1.0
+    assert time.monotonic() - started >= 0.1 - 0.005
+
+
+def test_a_blocking_token_read_is_woken_by_the_next_publish(streams: Streams) -> None:
+    # Blocking for far longer than the publish takes to come: the read answers with the
+    # event, so it was woken by it rather than running out its block time empty.
+    last, _ = streams.read_tokens("r1")
+    timer = threading.Timer(0.05, streams.publish_token, ("r1", TokenEvent(index=0, token=7)))
+    timer.start()
+    try:
+        _, events = streams.read_tokens("r1", last, block_ms=4000)  # under the 5 s socket timeout
+    finally:
+        timer.join()
+    assert [e.token for e in events] == [7]
 
 
 def test_a_token_stream_expires_by_itself(streams: Streams) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import math
+import re
 import threading
 import time
 from typing import Any
@@ -252,14 +253,17 @@ def test_redis_down_is_a_503_at_once_and_service_resumes_when_it_returns(
     served = start_router()
     assert post(served.url, {"prompt": "a", "max_tokens": 2}).status_code == 200
     redis_server.kill()
-    started = time.monotonic()
     resp = post(served.url, {"prompt": "a", "max_tokens": 2})
-    assert time.monotonic() - started < 1.0
     assert resp.status_code == 503
     assert resp.headers["retry-after"] == "1"
     error = error_of(resp)
     assert error["code"] == "redis_unavailable"
     assert redis_server.url in error["message"]
+    # "At once": the answer is the failed connect itself (redis-py's "Error <errno>
+    # connecting to ..."), not the router's own Redis timeout (redis_timeout_s, a bare
+    # TimeoutError) running out on a retry loop or a connect that hangs.
+    assert re.search(r"Error \d+ connecting to ", error["message"])
+    assert "Timeout" not in error["message"]
     assert httpx.get(f"{served.url}/readyz").status_code == 503
     assert httpx.get(f"{served.url}/healthz").status_code == 200
     m = metrics(served.url)  # still served, the Redis-backed gauges unknown
@@ -307,14 +311,22 @@ def test_a_request_that_times_out_is_a_504_and_leaves_nothing_queued(
     start_router: RouterFactory, streams: Streams
 ) -> None:
     served = start_router(request_timeout_s=0.4)
+    # No worker: the router answers 504 (the client's own 10 s timeout would fail the
+    # post otherwise), and not before its configured timeout (a lower bound, less 10 ms
+    # for the event loop's timer resolution).
     started = time.monotonic()
     resp = post(served.url, {"prompt": "a"})
-    assert 0.35 < time.monotonic() - started < 3
+    assert time.monotonic() - started >= 0.4 - 0.01
     assert resp.status_code == 504
     error = error_of(resp)
     assert (error["type"], error["code"]) == ("timeout", "request_timeout")
     assert "0.4 s" in error["message"]
-    assert streams.queue_depth(Pool.PREFILL).total == 0  # its entry was withdrawn
+    # Its entry is withdrawn by the router's cleanup, which may still be running when
+    # the 504 arrives: wait for it (the deadline only keeps a failure from hanging).
+    deadline = time.monotonic() + 10
+    while streams.queue_depth(Pool.PREFILL).total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert streams.queue_depth(Pool.PREFILL).total == 0, "timed out waiting for the withdrawal"
     m = metrics(served.url)
     assert m['sara_request_outcomes_total{outcome="timeout"}'] == 1
     assert m["sara_ttft_seconds_count"] == 1  # observed at the timeout, a lower bound

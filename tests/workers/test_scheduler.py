@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from queueing.profile import IterationProfile
+from tests.profiles import TEST_8B
 from workers.kv_cache import PagedKVCache
 from workers.scheduler import (
     ScheduledChunk,
@@ -24,20 +24,7 @@ from workers.scheduler import (
 CHUNKED = SchedulingPolicy.CHUNKED_PREFILL
 PREFILL_FIRST = SchedulingPolicy.PREFILL_FIRST
 
-PROFILE = IterationProfile(
-    name="test",
-    model="test",
-    hardware="test",
-    tensor_parallel=1,
-    t0_s=0.01,
-    t_tok_s=1e-4,
-    t_kv_s=1e-7,
-    t_attn_s=1e-8,
-    kv_capacity_tokens=100_000,
-    kv_bytes_per_token=1024,
-    startup_s=0.0,
-    source="hand-written test profile",
-)
+PROFILE = TEST_8B
 
 
 def make_scheduler(

@@ -280,25 +280,78 @@ def test_an_expired_transfer_is_an_error_and_leaves_nothing(client: redis.Redis)
     assert keys(client) == []
 
 
-def test_a_receive_with_nothing_sent_times_out_on_time(client: redis.Redis) -> None:
-    transport = RedisKvTransport(client)
-    started = time.monotonic()
-    with pytest.raises(KvTransferTimeoutError, match=r"no KV arrived within 0\.3 s") as caught:
-        transport.receive("never-sent", timeout_s=0.3)
-    assert 0.3 <= time.monotonic() - started < 1.5
+class BlpopSpy:
+    """The real client, except that ``blpop`` is recorded; with ``clock`` given it
+    does not block either: it advances that fake clock by the timeout it was asked for
+    (nothing was sent, so a real BLPOP would have slept that long and returned None)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        clock: FakeClock | None = None,
+        on_first_blpop: Any = None,
+    ) -> None:
+        self._client = client
+        self._clock = clock
+        self._on_first_blpop = on_first_blpop
+        self.calls: list[tuple[float, Any]] = []  # (timeout asked, what it returned)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def blpop(self, keys: list[str], timeout: float) -> Any:
+        if not self.calls and self._on_first_blpop is not None:
+            self._on_first_blpop()
+        if self._clock is not None:
+            self._clock.now_s += timeout
+            got = None
+        else:
+            got = self._client.blpop(keys, timeout=timeout)
+        self.calls.append((timeout, got))
+        return got
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.mark.parametrize(("timeout_s", "slices"), [(0.3, [0.3]), (2.5, [1.0, 1.0, 0.5])])
+def test_a_receive_with_nothing_sent_times_out_on_time(
+    client: redis.Redis, timeout_s: float, slices: list[float]
+) -> None:
+    # On the transport's own (fake) clock: it waits exactly its timeout, in BLPOP slices
+    # of at most 1 s, and gives up then -- not before, not after another slice.
+    clock = FakeClock()
+    spy = BlpopSpy(client, clock)
+    transport = RedisKvTransport(cast(redis.Redis, spy), clock=clock)
+    with pytest.raises(
+        KvTransferTimeoutError, match=rf"no KV arrived within {timeout_s:g} s"
+    ) as caught:
+        transport.receive("never-sent", timeout_s=timeout_s)
+    assert [t for t, _ in spy.calls] == pytest.approx(slices)
+    assert clock.now_s - 100.0 == pytest.approx(timeout_s)
     assert caught.value.retryable
 
 
 def test_a_waiting_receive_wakes_as_soon_as_the_send_lands(client: redis.Redis) -> None:
-    transport = RedisKvTransport(client)
     payload = make_payload("req-1")
-    timer = threading.Timer(0.2, transport.send, args=(payload,))
-    started = time.monotonic()
-    timer.start()
-    got = transport.receive("req-1", timeout_s=5)
-    assert same_bits(got, payload)
-    assert time.monotonic() - started < 0.8  # woken by the list, not by polling
+    sender = RedisKvTransport(client)
+    # The send is started once the receiver found nothing and is about to wait, so it
+    # always lands during that wait.
+    timer = threading.Timer(0.05, sender.send, args=(payload,))
+    spy = BlpopSpy(client, on_first_blpop=timer.start)
+    got = RedisKvTransport(cast(redis.Redis, spy)).receive("req-1", timeout_s=30)
     timer.join()
+    assert same_bits(got, payload)
+    # Woken by the ready list, not by polling: the wait that ended it was a BLPOP that
+    # returned the sender's push (any before it, on a stalled machine, timed out empty).
+    *before, (_, last) = spy.calls
+    assert last is not None
+    assert all(got is None for _, got in before)
 
 
 def test_a_second_send_replaces_the_first(client: redis.Redis) -> None:
@@ -417,10 +470,12 @@ def test_a_payload_crosses_a_gloo_link_between_processes_bit_for_bit(
                 link.receive("g-1", timeout_s=0.2)
             assert same_bits(link.receive("g-2", timeout_s=30), link_payload(*SPECS[1]))
             assert same_bits(link.receive("g-4", timeout_s=30), link_payload(*SPECS[3]))
+            # It gives up (the error), and not before its timeout on the link's clock
+            # (time.monotonic here); how soon after is no business of a unit test.
             started = time.monotonic()
             with pytest.raises(KvTransferTimeoutError, match="no KV arrived"):
                 link.receive("never-sent", timeout_s=0.3)
-            assert time.monotonic() - started < 1.5
+            assert time.monotonic() - started >= 0.3
             with pytest.raises(ValueError, match=r"^role:"):
                 link.send(link_payload(*SPECS[0]))
     finally:
@@ -432,6 +487,7 @@ def test_a_payload_crosses_a_gloo_link_between_processes_bit_for_bit(
 def test_a_send_to_a_dead_decode_end_fails_fast_and_ends_the_link(
     client: redis.Redis, redis_port: int
 ) -> None:
+    transfer_timeout_s = 30.0
     child = spawn(_decode_end_that_dies, redis_port, "link-b")
     try:
         with TorchDistributedKvTransport.connect(
@@ -439,13 +495,16 @@ def test_a_send_to_a_dead_decode_end_fails_fast_and_ends_the_link(
             link_id="link-b",
             role=LinkRole.PREFILL,
             rendezvous_timeout_s=60,
-            transfer_timeout_s=10,
+            transfer_timeout_s=transfer_timeout_s,
         ) as link:
             assert stop(child) == 3
+            # The timeout fails a send the same way (KvTransportUnavailableError), so
+            # what tells "noticed the dead peer" from "waited out the timeout" is the
+            # time, measured against the configured timeout, not an absolute target.
             started = time.monotonic()
             with pytest.raises(KvTransportUnavailableError):
                 link.send(link_payload(*SPECS[1]))
-            assert time.monotonic() - started < 10
+            assert time.monotonic() - started < transfer_timeout_s
             with pytest.raises(KvTransportUnavailableError, match="failed"):
                 link.send(link_payload(*SPECS[2]))
     finally:
@@ -459,12 +518,14 @@ def test_a_send_to_a_dead_decode_end_fails_fast_and_ends_the_link(
 def test_a_link_with_no_peer_gives_up_after_the_rendezvous_timeout(
     client: redis.Redis, role: LinkRole, message: str
 ) -> None:
+    # It gives up (the error naming the missing end), and only once its rendezvous
+    # timeout has passed (less 10 ms for torch's store rounding its timeout).
     started = time.monotonic()
     with pytest.raises(KvTransferTimeoutError, match=message):
         TorchDistributedKvTransport.connect(
             client, link_id="lonely", role=role, rendezvous_timeout_s=0.5
         )
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started >= 0.5 - 0.01
     assert keys(client) == []
 
 
