@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controller.config import ControllerConfig, SloConfig
 from controller.observation import Observation, PoolObservation
-from controller.policy import ControllerState, capacity_model, decide
+from controller.policy import CapacityModels, ControllerState, decide
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 from queueing.solver import SloTargets, solve
 from sim.trace_io import load_lengths
 
@@ -42,6 +43,7 @@ def main() -> None:
     worst = 0.0
     for rate in (5.0, 50.0, 500.0):
         state = ControllerState()
+        models = CapacityModels()
         current = (1, 1)
         times = []
         t = 0.0
@@ -56,15 +58,15 @@ def main() -> None:
                 lengths=lengths,
             )
             started = time.perf_counter()
-            d = decide(obs, state, config, now_s=t)
+            d = decide(obs, state, config, now_s=t, models=models)
             elapsed = time.perf_counter() - started
             if i >= 20:  # after the first model build and the ramp-up
                 times.append(elapsed)
             state = d.state
             if d.actuate:
-                current = (d.prefill_target, d.decode_target)
+                current = (d.target(Pool.PREFILL), d.target(Pool.DECODE))
             t += config.interval_s
-        model = capacity_model(lengths, profile, config)
+        model = models.get(lengths, profile, config)
         slo = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.1)
         bare = []
         for _ in range(200):

@@ -55,11 +55,11 @@ from sim.backtest import BacktestResult, run_backtest
 from sim.policies import (
     POLICY_NAMES,
     BacktestPolicy,
-    ForecastSettings,
     SaraPolicy,
     Scenario,
     ThresholdPolicy,
     ThresholdTargets,
+    forecasting,
     make_policy,
     warm_start,
 )
@@ -127,12 +127,9 @@ def _sara_window_60(forecast: bool) -> Callable[[Trace, Scenario], BacktestPolic
 
     def build(trace: Trace, scenario: Scenario) -> BacktestPolicy:
         config = dataclasses.replace(scenario.controller_config, window_s=60.0)
-        policy = SaraPolicy(
-            scenario,
-            warm_start(trace, scenario),
-            config=config,
-            forecast=ForecastSettings() if forecast else None,
-        )
+        if forecast:
+            config = forecasting(scenario, config)
+        policy = SaraPolicy(scenario, warm_start(trace, scenario), config=config)
         policy.name = "sara-forecast w60" if forecast else "sara w60"
         return policy
 
@@ -140,15 +137,22 @@ def _sara_window_60(forecast: bool) -> Callable[[Trace, Scenario], BacktestPolic
 
 
 def _sara_variant(
-    label: str, *, forecast: ForecastSettings | None = None, headroom: float | None = None
+    label: str, *, trend_window_s: float | None = None, headroom: float | None = None
 ) -> Callable[[Trace, Scenario], BacktestPolicy]:
-    """sara (or sara-forecast) with a different headroom or forecaster setting."""
+    """sara (or sara-forecast, with a trend window) with a different headroom or
+    forecaster setting."""
 
     def build(trace: Trace, scenario: Scenario) -> BacktestPolicy:
         config = scenario.controller_config
         if headroom is not None:
             config = dataclasses.replace(config, headroom=headroom)
-        policy = SaraPolicy(scenario, warm_start(trace, scenario), config=config, forecast=forecast)
+        if trend_window_s is not None:
+            config = forecasting(scenario, config)
+            config = dataclasses.replace(
+                config,
+                forecast=dataclasses.replace(config.forecast, trend_window_s=trend_window_s),
+            )
+        policy = SaraPolicy(scenario, warm_start(trace, scenario), config=config)
         policy.name = label
         return policy
 
@@ -171,7 +175,7 @@ VARIANTS: dict[str, Callable[[Trace, Scenario], BacktestPolicy]] = {
     "sara-forecast w60": _sara_window_60(forecast=True),
     "sara h0.3": _sara_variant("sara h0.3", headroom=0.3),
     "sara-forecast t180": _sara_variant(
-        "sara-forecast t180", forecast=ForecastSettings(trend_window_s=180.0)
+        "sara-forecast t180", trend_window_s=180.0
     ),
     "threshold 0.5": _threshold(ThresholdTargets(prefill=0.5, decode=0.5), "threshold 0.5"),
     "threshold queue": _threshold(ThresholdTargets(count_queued=True), "threshold queue"),

@@ -32,7 +32,7 @@ from controller.closing import close_if_closable
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
-from controller.sources.base import ObservationSource
+from controller.observation import ObservationSource
 from controller.store import FileConfigStore
 from queueing.pools import Pool
 

@@ -1,10 +1,11 @@
-"""The control loop: observe -> decide -> actuate, once per interval.
+"""The control loop: ``controller.tick.run_tick`` once per interval.
 
-The loop owns everything with side effects around the pure ``decide``: it reads the
-current config from the store (so a REST edit takes effect on the next tick), asks
-the actuator for the replicas, the source for the measurements, applies the
-decision (unless advisory), publishes metrics, keeps a bounded history, logs each
-decision with its reason chain as one JSON line, and persists the policy state so
+The loop owns everything with side effects around the pure tick: it reads the
+current config from the store (so a REST edit takes effect on the next tick),
+hands the tick its actuator, source, profile loader, capacity-model cache and the
+history of measured rates (for the forecaster, when configured), publishes
+metrics, keeps a bounded history, logs each decision with its reason chain as one
+JSON line, and persists the policy state so
 that a restarted controller resumes where it stopped — same cooldowns, same
 stabilisation windows, no burst of changes.
 """
@@ -22,17 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from controller.actuator import Actuator, ActuatorError, ActuatorRetryableError
-from controller.config import ControllerConfig
+from controller.actuator import Actuator
 from controller.metrics import ControllerMetrics
-from controller.observation import PoolObservation
-from controller.policy import POOLS, ControllerState, Decision, decide
+from controller.observation import ObservationSource
+from controller.policy import CapacityModels, ControllerState
+from controller.policy.forecast import RecordedArrivals
 from controller.profiles import load_profile
-from controller.sources.base import ObservationSource
 from controller.store import ConfigStore
-from controller.tick import TickRecord
-from queueing.pools import Pool
-from queueing.profile import IterationProfile, ProfileError
+from controller.tick import TickRecord, run_tick
+from queueing.profile import IterationProfile
 
 log = logging.getLogger("sara.controller")
 STATE_FILE = "state.json"
@@ -61,6 +60,10 @@ class ControlLoop:
         self._history: deque[TickRecord] = deque(maxlen=history)
         self._lock = threading.Lock()
         self._profiles: dict[str, IterationProfile] = {}
+        self.models = CapacityModels()  # this loop's, kept while the inputs hold
+        # The rates this loop measured, for the forecaster (in memory: a restart
+        # withholds the forecast until a trend window, or a day, has been seen again).
+        self.arrivals = RecordedArrivals(keep_s=86_400.0)
         self.state = self._load_state()
 
     # -- state persistence ---------------------------------------------------------------
@@ -98,98 +101,37 @@ class ControlLoop:
 
     # -- one tick ----------------------------------------------------------------------
 
-    def _profile(self, config: ControllerConfig) -> IterationProfile:
-        profile = self._profiles.get(config.profile)
+    def _profile(self, spec: str) -> IterationProfile:
+        """The profile ``spec`` names, read once while the config keeps naming it."""
+        profile = self._profiles.get(spec)
         if profile is None:
-            profile = self.profile_loader(config.profile)
-            self._profiles = {config.profile: profile}
+            profile = self.profile_loader(spec)
+            self._profiles = {spec: profile}
         return profile
 
     def tick(self) -> TickRecord:
         now_s = self.clock()
         versioned = self.store.load()
         config = versioned.config
-        try:
-            replicas = {pool: self.actuator.observe(pool) for pool in Pool}
-        except ActuatorError as exc:
-            return self._record(
-                TickRecord(
-                    time_s=now_s,
-                    config_version=versioned.version,
-                    decision=None,
-                    applied=False,
-                    error=f"actuator: {exc}",
-                )
-            )
-        try:
-            profile = self._profile(config)
-        except (OSError, ProfileError) as exc:
-            return self._record(
-                TickRecord(
-                    time_s=now_s,
-                    config_version=versioned.version,
-                    decision=None,
-                    applied=False,
-                    error=f"profile: {exc}",
-                )
-            )
-        observation = self.source.observe(now_s=now_s, replicas=replicas)
-        started = time.perf_counter()
-        decision = decide(observation, self.state, config, now_s=now_s, profile=profile)
-        solve_s = time.perf_counter() - started
-        error = None
-        applied = False
-        if decision.actuate:
-            try:
-                for pool, replicas_now in replicas.items():
-                    target = decision.target(pool.value)
-                    if target != replicas_now.current_replicas:
-                        self.actuator.scale(pool, target)
-                applied = True
-            except ActuatorRetryableError as exc:
-                error = f"actuator (will retry): {exc}"
-            except ActuatorError as exc:
-                error = f"actuator: {exc}"
-        # Keep the decided state even if actuation failed: the next tick observes the
-        # real replicas and decides again, and cooldowns stay honest.
-        self.state = decision.state
-        self._save_state()
-        self._publish(decision, replicas, solve_s)
-        return self._record(
-            TickRecord(
-                time_s=now_s,
-                config_version=versioned.version,
-                decision=decision,
-                applied=applied,
-                error=error,
-            )
+        forecast = config.forecast
+        self.arrivals.keep_s = forecast.period_s + forecast.seasonal_smoothing_s + config.window_s
+        done = run_tick(
+            now_s=now_s,
+            config=config,
+            config_version=versioned.version,
+            state=self.state,
+            source=self.source,
+            actuator=self.actuator,
+            load_profile=self._profile,
+            models=self.models,
+            history=self.arrivals,
+            timer=time.perf_counter,
         )
-
-    def _publish(
-        self, decision: Decision, replicas: dict[Pool, PoolObservation], solve_s: float
-    ) -> None:
-        self.metrics.record_tick(
-            desired={"prefill": decision.prefill_target, "decode": decision.decode_target},
-            current={p.value: r.current_replicas for p, r in replicas.items()},
-            predicted_p99_s={
-                "prefill": decision.predicted_ttft_p99_s,
-                "decode": decision.predicted_tpot_p99_s,
-            },
-            observed_p99_s={
-                "prefill": decision.observed_ttft_p99_s,
-                "decode": decision.observed_tpot_p99_s,
-            },
-            raw_rate_rps=decision.raw_rate_rps,
-            smoothed_rate_rps=decision.smoothed_rate_rps,
-            reasons={pool: decision.reason_for(pool).value for pool in POOLS},
-            solve_s=solve_s,
-            # The decision's error is relative (observed / predicted - 1); the metric is
-            # the ratio itself, so 1 reads as a perfect model on the dashboard.
-            model_error={
-                pool: None if error is None else 1.0 + error
-                for pool, error in decision.model_error.items()
-            },
-        )
+        if done.record.decision is not None:
+            self.state = done.state
+            self._save_state()
+            self.metrics.record_decision(done.record.decision, solve_s=done.decide_s)
+        return self._record(done.record)
 
     def _record(self, record: TickRecord) -> TickRecord:
         with self._lock:
@@ -219,21 +161,18 @@ class ControlLoop:
             "last_tick_s": None if last is None else last.time_s,
             "last_error": None if last is None else last.error,
             "smoothed_rate_rps": self.state.smoothed_rate_rps,
-            "calibration": {p: self.state.pool(p).calibration for p in POOLS},
+            "calibration": self.state.pools.map(lambda p: p.calibration).as_dict(),
         }
         if last is not None and last.decision is not None:
-            d = last.decision
+            d = last.decision.pools
             out.update(
-                current={"prefill": d.prefill_current, "decode": d.decode_current},
-                desired={"prefill": d.prefill_target, "decode": d.decode_target},
-                raw_rate_rps=d.raw_rate_rps,
-                predicted_p99_s={
-                    "prefill": d.predicted_ttft_p99_s,
-                    "decode": d.predicted_tpot_p99_s,
-                },
-                observed_p99_s={"prefill": d.observed_ttft_p99_s, "decode": d.observed_tpot_p99_s},
-                model_error=d.model_error,
-                reasons=[r.as_dict() for r in d.reasons],
+                current=d.map(lambda p: p.current).as_dict(),
+                desired=d.map(lambda p: p.target).as_dict(),
+                raw_rate_rps=last.decision.raw_rate_rps,
+                predicted_p99_s=d.map(lambda p: p.predicted_p99_s).as_dict(),
+                observed_p99_s=d.map(lambda p: p.observed_p99_s).as_dict(),
+                model_error=d.map(lambda p: p.model_error).as_dict(),
+                reasons=[r.as_dict() for r in last.decision.reasons],
             )
         return out
 

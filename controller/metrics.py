@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from controller.policy import Decision
 from queueing.pools import Pool
 
 POOLS: tuple[str, ...] = tuple(pool.value for pool in Pool)
@@ -169,6 +170,25 @@ class ControllerMetrics:
             self.decisions.labels(pool=pool, reason=reason).inc()
         if solve_s is not None:
             self.solve_seconds.observe(solve_s)
+
+    def record_decision(self, decision: Decision, *, solve_s: float | None) -> None:
+        """Publish one tick's decision (``record_tick`` with its per-pool values)."""
+        pools = decision.pools
+        self.record_tick(
+            desired=pools.map(lambda p: p.target).as_dict(),
+            current=pools.map(lambda p: p.current).as_dict(),
+            predicted_p99_s=pools.map(lambda p: p.predicted_p99_s).as_dict(),
+            observed_p99_s=pools.map(lambda p: p.observed_p99_s).as_dict(),
+            raw_rate_rps=decision.raw_rate_rps,
+            smoothed_rate_rps=decision.smoothed_rate_rps,
+            reasons=pools.map(lambda p: p.outcome.value).as_dict(),
+            solve_s=solve_s,
+            # The decision's error is relative (observed / predicted - 1); the metric
+            # is the ratio itself, so 1 reads as a perfect model on the dashboard.
+            model_error=pools.map(
+                lambda p: None if p.model_error is None else 1.0 + p.model_error
+            ).as_dict(),
+        )
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format (serve with ``CONTENT_TYPE``)."""

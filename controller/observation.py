@@ -8,9 +8,12 @@ inventing a value, and the policy treats missing or stale data as a reason to ho
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +55,23 @@ class Observation:
         if not (isinstance(self.time_s, int | float) and math.isfinite(self.time_s)):
             raise ValueError(f"time_s: must be a finite number, got {self.time_s!r}")
 
+    def replicas(self, pool: Pool) -> PoolObservation:
+        return self.prefill if pool is Pool.PREFILL else self.decode
+
+    def observed_p99_s(self, pool: Pool) -> float | None:
+        """The P99 the pool's size sets: TTFT (prefill) or TPOT (decode)."""
+        return self.ttft_p99_s if pool is Pool.PREFILL else self.tpot_p99_s
+
 
 def usable(value: float | None) -> bool:
     """A measured number the policy may act on: present, finite and not negative."""
     return value is not None and math.isfinite(value) and value >= 0
+
+
+class ObservationSource(Protocol):
+    def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Observation:
+        """The window ending now; ``replicas`` are what the actuator reported this tick.
+
+        Never raises for a measurement problem: what could not be measured is ``None``.
+        """
+        ...

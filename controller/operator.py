@@ -54,8 +54,8 @@ from controller.closing import close_if_closable
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
+from controller.observation import ObservationSource
 from controller.policy import ControllerState
-from controller.sources.base import ObservationSource
 from controller.store import VersionConflictError, VersionedConfig, config_version
 from controller.tick import TickRecord
 from queueing.catalog import resolve_profile

@@ -4,28 +4,71 @@
 real deployment (windowed arrival rate, a short burst window, P99 TTFT/TPOT of the
 window's requests, the length mix of the window's completions);
 ``SimulatedActuator`` scales its pools through the cluster's scaling hook (new
-workers serve only after the startup delay; removed ones drain). ``run_controlled``
-ticks the production ``controller.policy.decide`` between them — the same function
-the real control loop runs, not a copy.
+workers serve only after the startup delay; removed ones drain);
+``SimulatedArrivals`` answers the forecaster from every arrival. ``run_controlled``
+runs the production ``controller.tick.run_tick`` between them — the same tick the
+real control loop runs, not a copy.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from controller.config import ControllerConfig
 from controller.observation import Observation, PoolObservation
-from controller.policy import ControllerState, Decision, decide
+from controller.policy import CapacityModels, ControllerState, Decision
+from controller.tick import run_tick
 from queueing.lengths import LengthSamples
 from queueing.pools import Pool
 from queueing.profile import IterationProfile
 from sim.cluster import Cluster, ClusterSnapshot
+from sim.trace import FloatArray
 
 MIN_LENGTH_SAMPLES = 50
 MIN_LATENCY_SAMPLES = 20
+
+
+class Snapshots(Protocol):
+    """What the simulated source, actuator and history read: a ``Cluster`` or the
+    read-only ``ClusterView`` a back-test policy gets."""
+
+    @property
+    def now_s(self) -> float: ...
+
+    def snapshot(self, *, window_s: float) -> ClusterSnapshot: ...
+
+
+class SimulatedArrivals:
+    """The ``ArrivalHistory`` of a simulation: it knows every arrival since time 0."""
+
+    def __init__(self, cluster: Snapshots) -> None:
+        self.cluster = cluster
+
+    @property
+    def since_s(self) -> float:
+        return 0.0
+
+    def note(self, observation: Observation, *, window_s: float) -> None:
+        """Nothing to record: the simulation keeps every arrival."""
+
+    def _arrivals(self, start_s: float) -> FloatArray:
+        # A little more than asked: the caller's bins select exactly what they hold.
+        span_s = max(self.cluster.now_s - start_s, 0.0) + 1e-6
+        return self.cluster.snapshot(window_s=span_s).window_arrival_s
+
+    def counts_in_bins(self, edges_s: FloatArray) -> FloatArray:
+        arrivals = self._arrivals(float(edges_s[0]))
+        counts: FloatArray = np.histogram(arrivals, bins=edges_s)[0].astype(np.float64)
+        return counts
+
+    def count_between(self, start_s: float, end_s: float) -> float:
+        lo, hi = np.searchsorted(self._arrivals(start_s), [start_s, end_s])
+        return float(hi - lo)
 
 
 class SimulatedActuator:
@@ -44,7 +87,7 @@ class SimulatedActuator:
 class SimulatedSource:
     """Windowed measurements of a simulated cluster, as an ``Observation``."""
 
-    def __init__(self, cluster: Cluster, *, window_s: float, burst_window_s: float) -> None:
+    def __init__(self, cluster: Snapshots, *, window_s: float, burst_window_s: float) -> None:
         self.cluster = cluster
         self.window_s = window_s
         self.burst_window_s = burst_window_s
@@ -125,22 +168,32 @@ def run_controlled(
     until_s: float,
     state: ControllerState | None = None,
 ) -> ControlledRun:
-    """Tick ``decide`` every ``config.interval_s`` of simulated time until ``until_s``."""
+    """Run the production tick (``controller.tick.run_tick``) every
+    ``config.interval_s`` of simulated time until ``until_s``."""
     source = SimulatedSource(cluster, window_s=config.window_s,
                              burst_window_s=config.burst_window_s)
     actuator = SimulatedActuator(cluster)
+    history = SimulatedArrivals(cluster)
+    models = CapacityModels()
     state = state or ControllerState()
     decisions: list[Decision] = []
     t = config.interval_s
     while t <= until_s:
         cluster.run_until(t)
-        replicas = {pool: actuator.observe(pool) for pool in Pool}
-        observation = source.observe(now_s=t, replicas=replicas)
-        decision = decide(observation, state, config, now_s=t, profile=profile)
-        decisions.append(decision)
-        state = decision.state
-        if decision.actuate:
-            actuator.scale(Pool.PREFILL, decision.prefill_target)
-            actuator.scale(Pool.DECODE, decision.decode_target)
+        done = run_tick(
+            now_s=t,
+            config=config,
+            config_version="simulated",
+            state=state,
+            source=source,
+            actuator=actuator,
+            load_profile=lambda _spec: profile,
+            models=models,
+            history=history,
+            timer=time.perf_counter,
+        )
+        assert done.record.decision is not None  # the simulated actuator never fails
+        decisions.append(done.record.decision)
+        state = done.state
         t += config.interval_s
     return ControlledRun(decisions=tuple(decisions), final_state=state)

@@ -10,7 +10,8 @@ in the ``Observation``, never an exception. docs/observation.md lists the querie
 
 from __future__ import annotations
 
-from controller.sources.base import MeasurementUnavailable, ObservationSource
+from controller.observation import ObservationSource
+from controller.sources.base import MeasurementUnavailable
 from controller.sources.prometheus import PrometheusSource
 from controller.sources.scrape import ScrapeSource
 

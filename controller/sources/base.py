@@ -11,19 +11,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Protocol
 
-from controller.observation import Observation, PoolObservation
+from controller.observation import PoolObservation
 from queueing.pools import Pool
-
-
-class ObservationSource(Protocol):
-    def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Observation:
-        """The window ending now; ``replicas`` are what the actuator reported this tick.
-
-        Never raises for a measurement problem: what could not be measured is ``None``.
-        """
-        ...
 
 
 class MeasurementUnavailable(Exception):

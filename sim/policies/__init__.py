@@ -1,7 +1,8 @@
 """Scaling policies to back-test in the simulator, by name.
 
 - ``sara``: the production ``controller.policy.decide`` (``sim.policies.sara``);
-- ``sara-forecast``: the same, fed a cold-start-aware rate forecast;
+- ``sara-forecast``: the same with its rate forecaster enabled (``forecast`` in the
+  controller's configuration), looking one worker startup ahead;
 - ``static-peak`` / ``static-mean``: the solver's fixed allocation for the busiest
   minute / the mean rate (``sim.policies.static``);
 - ``threshold``: Kubernetes HPA v2 semantics on utilisation metrics
@@ -26,7 +27,7 @@ from sim.policies.base import (
     window_allocation,
 )
 from sim.policies.oracle import OraclePolicy, OracleWindow, plan_oracle
-from sim.policies.sara import ForecastSettings, SaraPolicy
+from sim.policies.sara import SaraPolicy, forecasting
 from sim.policies.static import StaticPolicy, static_mean, static_peak
 from sim.policies.threshold import HpaBehaviour, ThresholdPolicy, ThresholdTargets
 from sim.policies.throughput import Predictor, ThroughputPolicy
@@ -37,7 +38,6 @@ __all__ = [
     "Allocation",
     "BacktestPolicy",
     "ClusterView",
-    "ForecastSettings",
     "HpaBehaviour",
     "OraclePolicy",
     "OracleWindow",
@@ -48,6 +48,7 @@ __all__ = [
     "ThresholdPolicy",
     "ThresholdTargets",
     "ThroughputPolicy",
+    "forecasting",
     "make_policy",
     "plan_oracle",
     "solver_allocation",
@@ -94,7 +95,7 @@ def make_policy(
     if name == "sara":
         return SaraPolicy(scenario, start)
     if name == "sara-forecast":
-        return SaraPolicy(scenario, start, forecast=ForecastSettings())
+        return SaraPolicy(scenario, start, config=forecasting(scenario, scenario.controller_config))
     if name == "threshold":
         return ThresholdPolicy(scenario, start)
     predictor = Predictor.CONSTANT if name == "throughput" else Predictor.TREND

@@ -29,11 +29,12 @@ from controller.config import (
 )
 from controller.crd import openapi
 from controller.observation import Observation, PoolObservation
-from controller.policy import ControllerState, decide
+from controller.policy import CapacityModels, ControllerState, decide
 from controller.store import config_version
 from controller.tick import TickRecord
 from queueing.catalog import builtin_profiles
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "helm/sara/crds/sloautoscalers.sara.io.yaml"
@@ -533,7 +534,9 @@ def tick(
         ttft_p99_s=0.4,
         tpot_p99_s=None,
     )
-    decision = decide(observation, ControllerState(), config, now_s=now_s)
+    decision = decide(
+        observation, ControllerState(), config, now_s=now_s, models=CapacityModels()
+    )
     return TickRecord(
         time_s=now_s,
         config_version=config_version(config),
@@ -550,18 +553,19 @@ def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_a_scaling_tick_becomes_a_status_the_schema_accepts() -> None:
     record = tick(ControllerConfig(), rate=200.0)
     decision = record.decision
-    assert decision is not None and decision.prefill_target > 1
+    assert decision is not None and decision.target(Pool.PREFILL) > 1
     status = crd.build_status(record, generation=4, previous=None, now=T0)
     assert schema_errors(_without_nulls(status), STATUS_SCHEMA) == []
     assert status["observedGeneration"] == 4
-    assert status["prefill"] == {"currentReplicas": 1, "desiredReplicas": decision.prefill_target}
+    desired = decision.target(Pool.PREFILL)
+    assert status["prefill"] == {"currentReplicas": 1, "desiredReplicas": desired}
     assert status["arrivalRateRps"] == pytest.approx(200.0)
     assert status["observed"] == {"ttftP99Seconds": 0.4, "tpotP99Seconds": None}
-    assert status["predicted"]["ttftP99Seconds"] == decision.predicted_ttft_p99_s
+    assert status["predicted"]["ttftP99Seconds"] == decision.pools.prefill.predicted_p99_s
     assert status["lastDecision"]["time"] == "2025-03-01T12:00:00Z"
     assert status["lastDecision"]["applied"] is True
     assert "scale_up" in [r["reason"] for r in status["lastDecision"]["reasons"]]
-    assert status["lastDecision"]["message"].startswith(f"prefill 1 -> {decision.prefill_target}")
+    assert status["lastDecision"]["message"].startswith(f"prefill 1 -> {desired}")
     found = conditions(status)
     assert (found["Ready"]["status"], found["Ready"]["reason"]) == ("True", "Decided")
     assert (found["MetricsStale"]["status"], found["SLOInfeasible"]["status"]) == (
@@ -674,7 +678,7 @@ def test_events_name_each_scaled_pool_and_each_condition_change() -> None:
     assert [n.message.split(":")[0] for n in scaled] == ["prefill pool", "decode pool"][
         : len(scaled)
     ]
-    assert f"1 -> {decision.prefill_target} replicas" in scaled[0].message
+    assert f"1 -> {decision.target(Pool.PREFILL)} replicas" in scaled[0].message
     assert {n.reason for n in notices} >= {"Decided", "MetricsFresh", "SLOFeasible"}
     assert all(n.type is crd.EventType.NORMAL for n in notices)
     # The same conditions again: nothing new to say, and an advisory tick scaled nothing.

@@ -4,15 +4,18 @@ restart, actuator failures reported, history and metrics published."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from controller.actuator import ActuatorError
 from controller.config import ControllerConfig, Mode, SloConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
 from controller.observation import Observation, PoolObservation
+from controller.policy import Reason
 from controller.store import MemoryConfigStore
 from queueing.lengths import LengthSamples
 from queueing.pools import Pool
@@ -118,7 +121,7 @@ def test_a_restarted_loop_resumes_without_a_burst_of_changes(tmp_path: Path) -> 
         clock.now += 30
     assert actuator.replicas == settled
     restarted = make_loop(tmp_path, clock, source, actuator)
-    assert restarted.state.prefill.below_since_s is not None  # the window survived
+    assert restarted.state.pools.prefill.below_since_s is not None  # the window survived
     restarted.tick()
     assert actuator.replicas == settled  # still inside the 300 s stabilisation window
     clock.now += 200
@@ -148,7 +151,7 @@ def test_advisory_mode_never_calls_the_actuator(tmp_path: Path) -> None:
     loop = make_loop(tmp_path, clock, FixedRateSource(clock, 40.0), actuator, store)
     record = loop.tick()
     assert actuator.calls == []
-    assert record.decision is not None and record.decision.prefill_target > 1
+    assert record.decision is not None and record.decision.target(Pool.PREFILL) > 1
 
 
 def test_an_actuator_failure_is_reported_and_the_loop_carries_on(tmp_path: Path) -> None:
@@ -172,3 +175,55 @@ def test_missing_metrics_hold_and_publish_the_reason(tmp_path: Path) -> None:
     assert actuator.calls == []
     text = loop.metrics.exposition().decode()
     assert 'reason="metrics_stale"' in text
+
+
+class RampSource(FixedRateSource):
+    """A rate rising by ``slope`` req/s every second of the loop's clock."""
+
+    def __init__(self, clock: Clock, *, rate0: float, slope: float) -> None:
+        super().__init__(clock, rate0)
+        self.start_s = clock.now
+        self.rate0 = rate0
+        self.slope = slope
+
+    def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Observation:
+        # The mean rate over the 30-s window ending now (the window's centre).
+        self.rate = self.rate0 + self.slope * (now_s - 15.0 - self.start_s)
+        return super().observe(now_s=now_s, replicas=replicas)
+
+
+def test_a_configured_forecaster_raises_the_planning_rate_on_a_rising_trend(
+    tmp_path: Path,
+) -> None:
+    forecast = replace(CONFIG.forecast, enabled=True, horizon_s=130.0)
+    store = MemoryConfigStore(replace(CONFIG, forecast=forecast))
+    clock = Clock()
+    source = RampSource(clock, rate0=5.0, slope=0.02)
+    loop = make_loop(tmp_path, clock, source, IdealActuator(1, 1), store)
+    records = []
+    for _ in range(14):  # seven minutes: the trend needs a whole five-minute window
+        records.append(loop.tick())
+        clock.now += 30
+    decisions = [r.decision for r in records if r.decision is not None]
+    assert len(decisions) == 14
+    # Before ten 30-s windows cover the five-minute trend window there is no trend.
+    assert all(d.forecast_rate_rps is None for d in decisions[:9])
+    assert all(d.forecast_rate_rps is not None for d in decisions[9:])
+    last = decisions[-1]
+    assert any(r.reason is Reason.FORECAST_RAISED for r in last.reasons)
+    # The trend line of a linear ramp extrapolates it: the rate 130 s after now.
+    now_s = records[-1].time_s
+    expected = 5.0 + 0.02 * (now_s - source.start_s + 130.0)
+    assert last.forecast_rate_rps == pytest.approx(expected, rel=0.02)
+    assert last.planning_rate_rps == last.forecast_rate_rps
+    assert last.smoothed_rate_rps is not None and last.smoothed_rate_rps < expected
+
+
+def test_without_a_configured_forecaster_the_loop_never_forecasts(tmp_path: Path) -> None:
+    clock = Clock()
+    source = RampSource(clock, rate0=5.0, slope=0.02)
+    loop = make_loop(tmp_path, clock, source, IdealActuator(1, 1))
+    for _ in range(14):
+        record = loop.tick()
+        clock.now += 30
+        assert record.decision is not None and record.decision.forecast_rate_rps is None

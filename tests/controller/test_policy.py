@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,21 +13,23 @@ import pytest
 
 from controller.config import ControllerConfig, Mode, PoolLimits, SloConfig
 from controller.observation import Observation, PoolObservation
+from controller.observation import Observation as Seen
 from controller.policy import (
+    CapacityModels,
     ControllerState,
     Decision,
     PoolState,
     Reason,
-    cooldown,
-    dead_band,
-    decide,
-    rate_limit,
-    smooth,
-    stabilise,
 )
+from controller.policy import decide as decide_with
+from controller.policy.forecast import RecordedArrivals
+from controller.policy.normalisation import cooldown, dead_band, rate_limit, stabilise
+from controller.policy.smoothing import smooth
+from controller.tick import run_tick
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
-from queueing.solver import CapacityModel, KvLink, SloTargets, solve
+from queueing.pools import PerPool, Pool
+from queueing.solver import CapacityModel, KvLink, SloTargets, evaluate, solve
 from sim.trace_io import load_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,33 +79,81 @@ def observation(
     )
 
 
+# The capacity-model cache is the caller's: these tests share one.
+MODELS = CapacityModels()
+
+
+def decide(observation: Seen, state: ControllerState, config: ControllerConfig,
+           **kwargs: object) -> Decision:
+    return decide_with(observation, state, config, models=MODELS, **kwargs)  # type: ignore[arg-type]
+
+
+def recommended(d: Decision) -> tuple[int, int] | None:
+    """The solver's (prefill, decode) answer before normalisation, if one ran."""
+    n, m = d.pools.prefill.recommended, d.pools.decode.recommended
+    return None if n is None or m is None else (n, m)
+
+
+class IdealActuator:
+    """Workers appear (and serve) the moment they are asked for."""
+
+    def __init__(self, start: tuple[int, int]) -> None:
+        self.replicas = {Pool.PREFILL: start[0], Pool.DECODE: start[1]}
+
+    def observe(self, pool: Pool) -> PoolObservation:
+        n = self.replicas[pool]
+        return PoolObservation(current_replicas=n, ready_replicas=n)
+
+    def scale(self, pool: Pool, replicas: int) -> None:
+        self.replicas[pool] = replicas
+
+
+class RateSource:
+    """Measures ``rate_at(t)`` (the burst window too) with the test length mix."""
+
+    def __init__(self, rate_at: Callable[[float], float | None]) -> None:
+        self.rate_at = rate_at
+
+    def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Seen:
+        rate = self.rate_at(now_s)
+        return observation(
+            now_s, rate, replicas[Pool.PREFILL].current_replicas,
+            replicas[Pool.DECODE].current_replicas, burst=rate,
+        )
+
+
 def run(
     rate_at: Callable[[float], float | None],
     hours: float,
     config: ControllerConfig = CONFIG,
     start: tuple[int, int] = (1, 1),
 ) -> list[Decision]:
-    """The policy in closed loop with an ideal actuator, one tick per interval."""
+    """The production tick in closed loop with an ideal actuator, one per interval."""
     state = ControllerState()
-    current = start
+    actuator = IdealActuator(start)
+    source = RateSource(rate_at)
+    arrivals = RecordedArrivals(keep_s=3600.0)
     decisions = []
     t = 0.0
     while t < hours * 3600:
-        rate = rate_at(t)
-        d = decide(observation(t, rate, *current, burst=rate), state, config, now_s=t)
-        decisions.append(d)
-        state = d.state
-        if d.actuate:
-            current = (d.prefill_target, d.decode_target)
+        done = run_tick(
+            now_s=t, config=config, config_version="test", state=state, source=source,
+            actuator=actuator, load_profile=resolve_profile, models=MODELS,
+            history=arrivals, timer=lambda: 0.0,
+        )
+        assert done.record.decision is not None
+        decisions.append(done.record.decision)
+        state = done.state
         t += config.interval_s
     return decisions
 
 
 def changes(decisions: list[Decision], after_s: float = 0.0) -> int:
     return sum(
-        (d.prefill_target != d.prefill_current) + (d.decode_target != d.decode_current)
+        p.changed
         for d in decisions
         if d.state.last_tick_s is not None and d.state.last_tick_s >= after_s
+        for _, p in d.pools.items()
     )
 
 
@@ -150,7 +200,7 @@ def test_smoothing_is_an_ema_bypassed_upwards_by_a_burst(
 def test_the_dead_band_ignores_changes_under_ten_percent(
     target: int, current: int, expected: int
 ) -> None:
-    assert dead_band("prefill", target, current, CONFIG)[0] == expected
+    assert dead_band(Pool.PREFILL, target, current, CONFIG)[0] == expected
 
 
 @pytest.mark.parametrize(
@@ -160,7 +210,7 @@ def test_the_dead_band_ignores_changes_under_ten_percent(
 def test_rate_limit_moves_at_most_half_the_pool_and_at_least_one(
     target: int, current: int, expected: int
 ) -> None:
-    assert rate_limit("decode", target, current, CONFIG)[0] == expected
+    assert rate_limit(Pool.DECODE, target, current, CONFIG)[0] == expected
 
 
 @pytest.mark.parametrize(
@@ -176,7 +226,7 @@ def test_cooldowns_are_separate_for_up_and_down(
     target: int, current: int, since_change_s: float, expected: int, reason: Reason | None
 ) -> None:
     pstate = PoolState(last_change_s=1000.0)
-    got, entry = cooldown("prefill", target, current, pstate, CONFIG, 1000.0 + since_change_s)
+    got, entry = cooldown(Pool.PREFILL, target, current, pstate, CONFIG, 1000.0 + since_change_s)
     assert got == expected
     assert (entry.reason if entry else None) is reason
 
@@ -185,14 +235,14 @@ def test_scale_down_waits_for_the_stabilisation_window_then_takes_the_highest_lo
     None
 ):
     pstate = PoolState()
-    got, pstate, entry = stabilise("decode", 6, 10, pstate, CONFIG, 0.0)
+    got, pstate, entry = stabilise(Pool.DECODE, 6, 10, pstate, CONFIG, 0.0)
     assert (got, entry.reason if entry else None) == (10, Reason.STABILISING)
-    got, pstate, _ = stabilise("decode", 8, 10, pstate, CONFIG, 150.0)
+    got, pstate, _ = stabilise(Pool.DECODE, 8, 10, pstate, CONFIG, 150.0)
     assert got == 10
-    got, pstate, entry = stabilise("decode", 5, 10, pstate, CONFIG, 300.0)
+    got, pstate, entry = stabilise(Pool.DECODE, 5, 10, pstate, CONFIG, 300.0)
     assert (got, entry.reason if entry else None) == (8, Reason.STABILISED)
     # A recommendation at or above current resets the window.
-    got, pstate, _ = stabilise("decode", 10, 10, pstate, CONFIG, 330.0)
+    got, pstate, _ = stabilise(Pool.DECODE, 10, 10, pstate, CONFIG, 330.0)
     assert pstate.below_since_s is None
 
 
@@ -211,7 +261,7 @@ def test_missing_nan_negative_or_stale_metrics_hold_with_metrics_stale(
     rate = bad.get("rate", 5.0)
     obs = observation(1000.0 - bad.get("age_s", 0.0), rate, 4, 3)
     d = decide(obs, ControllerState(smoothed_rate_rps=50.0), CONFIG, now_s=1000.0)
-    assert (d.prefill_target, d.decode_target) == (4, 3)
+    assert (d.target(Pool.PREFILL), d.target(Pool.DECODE)) == (4, 3)
     assert not d.actuate
     assert d.reasons[0].reason is Reason.METRICS_STALE
 
@@ -221,34 +271,53 @@ def test_a_scale_down_unsafe_at_the_current_raw_rate_is_refused() -> None:
     # high: the pools already hold exactly what that raw rate needs, so any removal
     # would miss the SLO at the current load.
     needed = decide(observation(0.0, 40.0, 1, 1), ControllerState(), CONFIG, now_s=0.0)
-    assert needed.recommended is not None
-    n, m = needed.recommended
+    assert recommended(needed) is not None
+    n, m = recommended(needed)
     state = ControllerState(
         smoothed_rate_rps=0.5,
         lengths=LENGTHS,
-        prefill=PoolState(below_since_s=0.0, below_max=1),
-        decode=PoolState(below_since_s=0.0, below_max=1),
+        pools=PerPool.both(PoolState(below_since_s=0.0, below_max=1)),
     )
     config = replace(CONFIG, ema_weight=0.01)
     d = decide(observation(1000.0, 40.0, n, m), state, config, now_s=1000.0)
-    assert d.recommended is not None and d.recommended[0] < n
-    assert d.prefill_target == n
-    assert any(r.reason is Reason.SCALE_DOWN_UNSAFE and r.pool == "prefill" for r in d.reasons)
+    assert recommended(d) is not None and recommended(d)[0] < n
+    assert d.target(Pool.PREFILL) == n
+    assert any(r.reason is Reason.SCALE_DOWN_UNSAFE and r.pool is Pool.PREFILL for r in d.reasons)
 
 
 def test_advisory_mode_decides_but_never_actuates() -> None:
     config = replace(CONFIG, mode=Mode.ADVISORY)
     d = decide(observation(0.0, 40.0, 1, 1), ControllerState(), config, now_s=0.0)
-    assert d.prefill_target > 1
+    assert d.target(Pool.PREFILL) > 1
     assert not d.actuate
     assert Reason.ADVISORY in {r.reason for r in d.reasons}
 
 
+def worst_ratio(n: int, m: int, rate: float) -> float:
+    """max(predicted P99 / SLO) of n + m workers, from the solver's own what-if."""
+    model = CapacityModel.build(
+        LENGTHS, PROFILE, tpot_slo_s=0.1, link=KvLink(bytes_per_s=CONFIG.kv_link_gbps * 1e9 / 8)
+    )
+    ev = evaluate(
+        model, prefill_workers=n, decode_workers=m, arrival_rate_rps=rate, ca2=1.0,
+        slo=SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.1),
+    )
+    ttft = math.inf if ev.prefill.p99_s is None else ev.prefill.p99_s / 1.0
+    tpot = math.inf if ev.decode.p99_s is None else ev.decode.p99_s / 0.1
+    return max(ttft, tpot)
+
+
 def test_the_gpu_budget_splits_workers_to_minimise_the_worst_slo_ratio() -> None:
     config = replace(CONFIG, gpu_budget=4 * 6, prefill=PoolLimits(max_replicas=64))  # 6 TP4
-    d = decide(observation(0.0, 60.0, 3, 3), ControllerState(), config, now_s=0.0)
-    assert d.prefill_target + d.decode_target <= 6
+    # 35 req/s needs 5 + 2 workers (the solver), one more than the budget holds.
+    d = decide(observation(0.0, 35.0, 5, 2), ControllerState(), config, now_s=0.0)
+    n, m = d.target(Pool.PREFILL), d.target(Pool.DECODE)
+    assert n + m == 6
     assert any(r.reason is Reason.GPU_BUDGET for r in d.reasons)
+    # Brute force over every split of the six workers: none has a smaller worst ratio.
+    ratios = [worst_ratio(k, 6 - k, 35.0) for k in range(1, 6)]
+    assert math.isfinite(min(ratios)) and len(set(ratios)) > 2  # a real choice to make
+    assert worst_ratio(n, m, 35.0) == pytest.approx(min(ratios))
 
 
 def test_min_and_max_replicas_bound_every_target() -> None:
@@ -258,18 +327,18 @@ def test_min_and_max_replicas_bound_every_target() -> None:
         decode=PoolLimits(min_replicas=2, max_replicas=2),
     )
     d = decide(observation(0.0, 80.0, 2, 2), ControllerState(), config, now_s=0.0)
-    assert d.prefill_target == 3 and d.decode_target == 2
+    assert d.target(Pool.PREFILL) == 3 and d.target(Pool.DECODE) == 2
 
 
 def test_calibration_is_bounded_and_follows_observed_over_predicted() -> None:
     d0 = decide(observation(0.0, 8.0, 2, 1), ControllerState(), CONFIG, now_s=0.0)
-    predicted = d0.state.prefill.predicted_p99_s
+    predicted = d0.state.pools.prefill.predicted_p99_s
     assert predicted is not None
     obs = observation(30.0, 8.0, 2, 1, ttft=predicted * 10)  # the model is 10x optimistic
     d1 = decide(obs, d0.state, CONFIG, now_s=30.0)
-    factor = d1.state.prefill.calibration
+    factor = d1.state.pools.prefill.calibration
     assert factor == pytest.approx(min(2.0, 0.8 + 0.2 * 10))
-    assert d1.model_error["prefill"] == pytest.approx(9.0)
+    assert d1.pools.prefill.model_error == pytest.approx(9.0)
 
 
 def test_state_survives_a_json_round_trip() -> None:
@@ -298,7 +367,7 @@ def test_calibration_is_frozen_while_the_pool_is_in_a_transient(
     case: str, extra: dict[str, float]
 ) -> None:
     d0 = _steady()
-    predicted = d0.state.prefill.predicted_p99_s
+    predicted = d0.state.pools.prefill.predicted_p99_s
     assert predicted is not None
     queue = None
     if "queue_x_predicted" in extra:
@@ -313,15 +382,15 @@ def test_calibration_is_frozen_while_the_pool_is_in_a_transient(
         queue=queue,
     )
     d1 = decide(obs, d0.state, CONFIG, now_s=30.0)
-    assert d1.state.prefill.calibration == 1.0, case
-    assert d1.model_error["prefill"] == pytest.approx(4.0)  # still reported
+    assert d1.state.pools.prefill.calibration == 1.0, case
+    assert d1.pools.prefill.model_error == pytest.approx(4.0)  # still reported
     frozen = [r for r in d1.reasons if r.reason is Reason.CALIBRATION_FROZEN]
-    assert [r.pool for r in frozen] == ["prefill"], case
+    assert [r.pool for r in frozen] == [Pool.PREFILL], case
 
 
 def test_calibration_learns_again_one_window_after_a_transient() -> None:
     d0 = _steady()
-    predicted = d0.state.prefill.predicted_p99_s
+    predicted = d0.state.pools.prefill.predicted_p99_s
     assert predicted is not None
     seen = 2 * predicted
     # 30 s: a worker restarting; 60 s: its window still holds the requests that queued
@@ -331,17 +400,17 @@ def test_calibration_learns_again_one_window_after_a_transient() -> None:
     )
     d2 = decide(observation(60.0, 8.0, 2, 1, ttft=seen), d1.state, CONFIG, now_s=60.0)
     d3 = decide(observation(90.0, 8.0, 2, 1, ttft=seen), d2.state, CONFIG, now_s=90.0)
-    assert [d.state.prefill.calibration for d in (d1, d2)] == [1.0, 1.0]
-    ratio = seen / (d2.state.prefill.predicted_p99_s or math.nan)
-    assert d3.state.prefill.calibration == pytest.approx(0.8 * 1.0 + 0.2 * ratio)
-    assert any(r.reason is Reason.CALIBRATED and r.pool == "prefill" for r in d3.reasons)
+    assert [d.state.pools.prefill.calibration for d in (d1, d2)] == [1.0, 1.0]
+    ratio = seen / (d2.state.pools.prefill.predicted_p99_s or math.nan)
+    assert d3.state.pools.prefill.calibration == pytest.approx(0.8 * 1.0 + 0.2 * ratio)
+    assert any(r.reason is Reason.CALIBRATED and r.pool is Pool.PREFILL for r in d3.reasons)
 
 
 def test_a_forecast_raises_the_plan_to_the_solvers_answer_for_it_and_biases_nothing_else() -> (
     None
 ):
     d0 = _steady()
-    predicted = d0.state.prefill.predicted_p99_s or math.nan
+    predicted = d0.state.pools.prefill.predicted_p99_s or math.nan
     obs = observation(30.0, 8.0, 2, 1, ttft=1.5 * predicted)
     plain = decide(obs, d0.state, CONFIG, now_s=30.0)
     forecast = 24.0
@@ -350,23 +419,25 @@ def test_a_forecast_raises_the_plan_to_the_solvers_answer_for_it_and_biases_noth
     model = CapacityModel.build(
         LENGTHS, PROFILE, tpot_slo_s=0.1, link=KvLink(bytes_per_s=400e9 / 8)
     )
-    factor = plain.state.prefill.calibration
+    factor = plain.state.pools.prefill.calibration
     expected = solve(
         model,
         arrival_rate_rps=forecast,
         ca2=1.0,
-        slo=SloTargets(ttft_p99_s=1.0 / factor, tpot_p99_s=0.1 / plain.state.decode.calibration),
+        slo=SloTargets(
+            ttft_p99_s=1.0 / factor, tpot_p99_s=0.1 / plain.state.pools.decode.calibration
+        ),
         headroom=CONFIG.headroom,
     )
-    assert ahead.recommended == (expected.prefill_workers, expected.decode_workers)
+    assert recommended(ahead) == (expected.prefill_workers, expected.decode_workers)
     assert ahead.planning_rate_rps == forecast and ahead.forecast_rate_rps == forecast
     # ... and nothing else moved: the EMA, what calibration learnt, the prediction the
     # next tick will calibrate against (all at the measured 8 req/s).
     assert ahead.smoothed_rate_rps == plain.smoothed_rate_rps == pytest.approx(8.0)
     assert ahead.raw_rate_rps == 8.0
-    for pool in ("prefill", "decode"):
-        assert ahead.state.pool(pool).calibration == plain.state.pool(pool).calibration
-        assert ahead.state.pool(pool).predicted_p99_s == plain.state.pool(pool).predicted_p99_s
+    for pool in Pool:
+        assert ahead.state.pools[pool].calibration == plain.state.pools[pool].calibration
+        assert ahead.state.pools[pool].predicted_p99_s == plain.state.pools[pool].predicted_p99_s
     assert ahead.state.smoothed_rate_rps == plain.state.smoothed_rate_rps
 
 
@@ -378,7 +449,7 @@ def test_a_forecast_below_the_smoothed_rate_or_unusable_changes_nothing(
     obs = observation(30.0, 8.0, 2, 1)
     plain = decide(obs, d0.state, CONFIG, now_s=30.0)
     other = decide(obs, d0.state, CONFIG, now_s=30.0, forecast_rate_rps=forecast)
-    assert other.recommended == plain.recommended
+    assert recommended(other) == recommended(plain)
     assert other.planning_rate_rps == plain.smoothed_rate_rps
     assert not any(r.reason is Reason.FORECAST_RAISED for r in other.reasons)
 
@@ -403,15 +474,17 @@ def test_a_calibration_that_makes_the_slo_infeasible_still_lets_oversized_pools_
     # the floor, and the scale-down safety check must use that same target.
     config = replace(CONFIG, slo=SloConfig(ttft_p99_s=0.6, tpot_p99_s=0.1))
     state = ControllerState(
-        smoothed_rate_rps=2.0, lengths=LENGTHS, prefill=PoolState(calibration=2.0)
+        smoothed_rate_rps=2.0,
+        lengths=LENGTHS,
+        pools=PerPool(prefill=PoolState(calibration=2.0), decode=PoolState()),
     )
     first = decide(observation(0.0, 2.0, 8, 8), state, config, now_s=0.0)
     assert any(r.reason is Reason.SLO_INFEASIBLE for r in first.reasons)
-    assert first.state.prefill.calibration == 2.0  # nothing observed: kept
+    assert first.state.pools.prefill.calibration == 2.0  # nothing observed: kept
     later = decide(observation(400.0, 2.0, 8, 8), first.state, config, now_s=400.0)
-    assert later.prefill_target < 8
+    assert later.target(Pool.PREFILL) < 8
     assert not any(
-        r.reason is Reason.SCALE_DOWN_UNSAFE and r.pool == "prefill" for r in later.reasons
+        r.reason is Reason.SCALE_DOWN_UNSAFE and r.pool is Pool.PREFILL for r in later.reasons
     )
 
 
@@ -439,7 +512,7 @@ def test_an_infeasible_slo_plans_for_1_2_times_the_floor_whatever_the_headroom(
         )
         <= aim_s
     )
-    assert d.recommended is not None and d.recommended[0] == fewest
+    assert recommended(d) is not None and recommended(d)[0] == fewest
 
 
 # -- behaviour over time --------------------------------------------------------------------
@@ -456,12 +529,12 @@ def test_a_load_between_one_and_two_workers_does_not_oscillate() -> None:
     # Find a rate whose answer flips between 1 and 2 prefill workers within +-15 %.
     d_low = decide(observation(0.0, 2.0, 1, 1), ControllerState(), CONFIG, now_s=0.0)
     rate = 2.0
-    while d_low.recommended and d_low.recommended[0] < 2:
+    while recommended(d_low) and recommended(d_low)[0] < 2:
         rate *= 1.05
         d_low = decide(observation(0.0, rate, 1, 1), ControllerState(), CONFIG, now_s=0.0)
     rng = np.random.default_rng(5)
     decisions = run(lambda t: rate * (1 + rng.uniform(-0.15, 0.15)), hours=2)
-    prefill = [d.prefill_target for d in decisions[20:]]
+    prefill = [d.target(Pool.PREFILL) for d in decisions[20:]]
     flips = sum(a != b for a, b in itertools.pairwise(prefill))
     assert flips <= 1
 
@@ -470,14 +543,14 @@ def test_a_three_fold_step_is_scaled_up_on_the_first_tick_that_sees_it() -> None
     step_at = 1800.0
     decisions = run(lambda t: 10.0 if t < step_at else 30.0, hours=1)
     first = next(d for d in decisions if d.state.last_tick_s == step_at)
-    assert first.prefill_target > first.prefill_current
+    assert first.target(Pool.PREFILL) > first.pools.prefill.current
 
 
 def test_ten_minutes_of_missing_metrics_never_scale_down() -> None:
     decisions = run(lambda t: 30.0 if t < 1200 or t >= 1800 else None, hours=1)
     gap = [d for d in decisions if 1200 <= (d.state.last_tick_s or 0) < 1800]
-    assert gap and all(d.prefill_target == d.prefill_current for d in gap)
-    assert all(d.decode_target == d.decode_current for d in gap)
+    assert gap and all(d.target(Pool.PREFILL) == d.pools.prefill.current for d in gap)
+    assert all(d.target(Pool.DECODE) == d.pools.decode.current for d in gap)
     assert all(d.reasons[0].reason is Reason.METRICS_STALE for d in gap)
 
 
@@ -539,7 +612,7 @@ def _scenarios() -> dict[Reason, Decision]:
     out[Reason.STABILISED] = later
     out[Reason.SCALE_DOWN] = later
     out[Reason.COOLDOWN_DOWN] = decide(
-        observation(430.0, 0.5, later.prefill_target, later.decode_target),
+        observation(430.0, 0.5, later.target(Pool.PREFILL), later.target(Pool.DECODE)),
         later.state,
         replace(CONFIG, scale_down_stabilisation_s=0.0),
         now_s=430.0,
@@ -550,7 +623,7 @@ def _scenarios() -> dict[Reason, Decision]:
     out[Reason.NO_CHANGE] = out[Reason.WITHIN_DEAD_BAND]
     # Calibration: the observed P99 of the allocation predicted last tick.
     steady = decide(observation(0.0, 8.0, 2, 1), base, CONFIG, now_s=0.0)
-    predicted = steady.state.prefill.predicted_p99_s or 1.0
+    predicted = steady.state.pools.prefill.predicted_p99_s or 1.0
     seen = observation(30.0, 8.0, 2, 1, ttft=2 * predicted)
     out[Reason.CALIBRATED] = decide(seen, steady.state, CONFIG, now_s=30.0)
     off = replace(CONFIG, calibration=replace(CONFIG.calibration, enabled=False))
@@ -567,7 +640,7 @@ def _scenarios() -> dict[Reason, Decision]:
         observation(30.0, flood, 2, 1), steady.state, CONFIG, now_s=30.0
     )
     # Smoothed rate low, raw rate high: removing workers is unsafe at the current load.
-    need = decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0).recommended or (1, 1)
+    need = recommended(decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0)) or (1, 1)
     low = ControllerState(smoothed_rate_rps=0.5, lengths=LENGTHS)
     out[Reason.SCALE_DOWN_UNSAFE] = decide(
         observation(0.0, 40.0, *need), low, replace(CONFIG, ema_weight=0.01), now_s=0.0
@@ -593,5 +666,5 @@ def test_with_an_infeasible_slo_oversized_pools_still_scale_down_to_the_relaxed_
     first = decide(observation(0.0, 2.0, 8, 8), state, config, now_s=0.0)
     assert any(r.reason is Reason.SLO_INFEASIBLE for r in first.reasons)
     later = decide(observation(400.0, 2.0, 8, 8), first.state, config, now_s=400.0)
-    assert later.prefill_target < 8
+    assert later.target(Pool.PREFILL) < 8
     assert not any(r.reason is Reason.SCALE_DOWN_UNSAFE for r in later.reasons)

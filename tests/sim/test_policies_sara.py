@@ -1,22 +1,21 @@
-"""The sara policy is the production decide() in the loop, and its forecaster
-extrapolates what it should."""
+"""The sara policy is the production tick in the loop, sara-forecast is the same
+controller with its forecaster configured, and the forecaster extrapolates what it
+should."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from controller.config import ControllerConfig, SloConfig
+from controller.policy.forecast import seasonal_forecast, trend_forecast
 from queueing.catalog import resolve_profile
 from queueing.solver import KvLink, SloTargets
 from sim.backtest import run_backtest
-from sim.cluster import Cluster
-from sim.control import run_controlled
-from sim.policies import Allocation, ForecastSettings, SaraPolicy, Scenario
-from sim.policies.sara import seasonal_forecast, trend_forecast
+from sim.policies import Allocation, SaraPolicy, Scenario, forecasting, make_policy
 from sim.trace_io import load_trace
 from sim.workload import scale_rate, time_slice
 
@@ -30,28 +29,37 @@ SCENARIO = Scenario(
 )
 
 
-def test_the_back_test_makes_exactly_the_decisions_run_controlled_makes() -> None:
-    trace = time_slice(
-        load_trace(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv"), start_s=0, end_s=900
-    )
-    trace = scale_rate(trace, 4.0, np.random.default_rng(1))
-    start = Allocation(prefill=1, decode=1)
-    config = ControllerConfig(
-        profile=PROFILE.name,
-        slo=SloConfig(ttft_p99_s=1.5, tpot_p99_s=0.1),
-        kv_link_gbps=400.0,
-    )
-    policy = SaraPolicy(SCENARIO, start, config=config)
-    result = run_backtest(trace, policy, SCENARIO)
+class ArrivalsOf:
+    """An ``ArrivalHistory`` over known arrival times (as the simulator's is)."""
 
-    cluster = Cluster(SCENARIO.cluster_config(start), trace)
-    end_s = float(trace.arrival_s[-1])
-    reference = run_controlled(cluster, config, profile=PROFILE, until_s=end_s)
-    ours = [(d.prefill_target, d.decode_target, d.actuate) for d in policy.decisions]
-    theirs = [(d.prefill_target, d.decode_target, d.actuate) for d in reference.decisions]
-    assert ours == theirs
-    assert any(actuate for _, _, actuate in ours)
-    assert result.summary.lost_requests == 0
+    def __init__(self, arrival_s: np.ndarray, *, since_s: float = 0.0) -> None:
+        self.arrival_s = np.sort(arrival_s)
+        self.since_s = since_s
+
+    def note(self, observation: object, *, window_s: float) -> None:
+        pass
+
+    def counts_in_bins(self, edges_s: np.ndarray) -> np.ndarray:
+        return np.histogram(self.arrival_s, bins=edges_s)[0].astype(np.float64)
+
+    def count_between(self, start_s: float, end_s: float) -> float:
+        lo, hi = np.searchsorted(self.arrival_s, [start_s, end_s])
+        return float(hi - lo)
+
+
+def test_sara_forecast_is_the_production_controller_with_its_forecaster_enabled() -> None:
+    trace = time_slice(
+        load_trace(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv"), start_s=0, end_s=600
+    )
+    policy = make_policy("sara-forecast", trace, SCENARIO)
+    assert isinstance(policy, SaraPolicy)
+    base = SCENARIO.controller_config
+    # Nothing but the forecast block differs from the plain controller's configuration,
+    # and its horizon is one worker startup plus one tick.
+    assert replace(policy.config, forecast=base.forecast) == base
+    assert policy.config.forecast.enabled and not base.forecast.enabled
+    assert policy.config.forecast.horizon_s == SCENARIO.worker_startup_s + base.interval_s
+    assert policy.config == forecasting(SCENARIO, base)
 
 
 def linear_arrivals(*, rate0: float, slope: float, start_s: float, end_s: float) -> np.ndarray:
@@ -67,7 +75,8 @@ def test_a_significant_rising_trend_is_extrapolated_to_the_horizon() -> None:
     now = 600.0
     arrivals = linear_arrivals(rate0=5.0, slope=0.02, start_s=now - 300, end_s=now)
     got = trend_forecast(
-        arrivals, now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0, min_t_stat=2.0
+        ArrivalsOf(arrivals), now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0,
+        min_t_stat=2.0,
     )
     assert got == pytest.approx(5.0 + 0.02 * (now + 120.0), rel=0.03)
 
@@ -76,13 +85,17 @@ def test_a_flat_or_falling_rate_gives_no_trend_forecast() -> None:
     now = 600.0
     flat = np.linspace(now - 300, now, 3001)[1:]
     assert (
-        trend_forecast(flat, now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0, min_t_stat=2.0)
+        trend_forecast(
+            ArrivalsOf(flat), now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0,
+            min_t_stat=2.0,
+        )
         is None
     )
     falling = linear_arrivals(rate0=20.0, slope=-0.01, start_s=now - 300, end_s=now)
     assert (
         trend_forecast(
-            falling, now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0, min_t_stat=2.0
+            ArrivalsOf(falling), now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0,
+            min_t_stat=2.0,
         )
         is None
     )
@@ -99,7 +112,7 @@ def test_the_daily_cycle_forecast_reads_yesterday_at_the_horizon_scaled_to_today
     now = period + 400.0
     arrivals = arrivals[arrivals <= now]
     got = seasonal_forecast(
-        arrivals,
+        ArrivalsOf(arrivals),
         now_s=now,
         period_s=period,
         horizon_s=200.0,
@@ -110,7 +123,7 @@ def test_the_daily_cycle_forecast_reads_yesterday_at_the_horizon_scaled_to_today
     assert got == pytest.approx(6.0 * 1.5, rel=0.02)
     assert (
         seasonal_forecast(
-            arrivals,
+            ArrivalsOf(arrivals),
             now_s=500.0,
             period_s=period,
             horizon_s=200.0,
@@ -126,7 +139,11 @@ def test_the_forecast_raises_only_the_planning_rate_and_never_the_measurements()
         load_trace(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv"), start_s=0, end_s=900
     )
     trace = scale_rate(trace, 3.0, np.random.default_rng(2))
-    policy = SaraPolicy(SCENARIO, Allocation(prefill=2, decode=1), forecast=ForecastSettings())
+    policy = SaraPolicy(
+        SCENARIO,
+        Allocation(prefill=2, decode=1),
+        config=forecasting(SCENARIO, SCENARIO.controller_config),
+    )
     run_backtest(trace, policy, SCENARIO)
     plain = SaraPolicy(SCENARIO, Allocation(prefill=2, decode=1))
     run_backtest(trace, plain, SCENARIO)

@@ -1,0 +1,321 @@
+"""From the solver's recommendation to the target a pool is set to.
+
+Applied per pool in this order (HPA-style: each step returns its value and, when it
+changed something, a reason):
+
+safety     — a scale-down must also meet the SLOs at the *current* raw rate;
+dead-band  — ignore relative changes below the band;
+stabilise  — a lower recommendation must hold for the stabilisation window, and
+             the pool scales down to the highest recommendation seen in it;
+cooldown   — separate for up and down, from the pool's last change;
+rate limit — at most max_step_fraction of the current size per tick, at least one;
+
+then, over both pools, ``clamp``: per-pool min/max and the global GPU budget (split
+to minimise the worst predicted P99/SLO ratio when it binds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from controller.config import ControllerConfig, PoolLimits
+from controller.policy.state import PoolState
+from controller.policy.vocabulary import Reason, ReasonEntry, Stage
+from queueing.pools import PerPool, Pool
+from queueing.profile import IterationProfile
+from queueing.solver import CapacityModel, SloTargets, evaluate_pool
+
+
+def limits(config: ControllerConfig, pool: Pool) -> PoolLimits:
+    return config.prefill if pool is Pool.PREFILL else config.decode
+
+
+def meets_at(
+    model: CapacityModel,
+    pool: Pool,
+    workers: int,
+    rate_rps: float,
+    ca2: float,
+    aimed: SloTargets,
+    headroom: float,
+) -> bool:
+    """Whether ``workers`` meet the pool's aimed target (with headroom) at ``rate_rps``."""
+    if workers < 1 or rate_rps <= 0:
+        return rate_rps <= 0
+    return evaluate_pool(
+        model,
+        pool,
+        workers=workers,
+        arrival_rate_rps=rate_rps,
+        ca2=ca2,
+        target_s=aimed.of(pool) / (1.0 + headroom),
+        quantile=aimed.quantile,
+    ).meets_slo
+
+
+def safety(
+    pool: Pool,
+    recommended: int,
+    current: int,
+    model: CapacityModel,
+    raw_rate_rps: float,
+    ca2: float,
+    aimed: SloTargets,
+    headroom: float,
+) -> tuple[int, ReasonEntry | None]:
+    """A scale-down must also hold at the current raw rate, not only the smoothed one
+    (judged against the targets the recommendation aimed at)."""
+    if recommended >= current:
+        return recommended, None
+    if meets_at(model, pool, recommended, raw_rate_rps, ca2, aimed, headroom):
+        return recommended, ReasonEntry(
+            stage=Stage.SAFETY,
+            reason=Reason.SCALE_DOWN_SAFE,
+            pool=pool,
+            detail=f"{recommended} workers meet the SLO at the current {raw_rate_rps:.3g} req/s",
+        )
+    # Find the smallest count between recommended and current that is safe now.
+    for n in range(recommended + 1, current):
+        if meets_at(model, pool, n, raw_rate_rps, ca2, aimed, headroom):
+            return n, ReasonEntry(
+                stage=Stage.SAFETY,
+                reason=Reason.SCALE_DOWN_UNSAFE,
+                pool=pool,
+                detail=f"{recommended} would miss the SLO at the current "
+                f"{raw_rate_rps:.3g} req/s; {n} is safe",
+            )
+    return current, ReasonEntry(
+        stage=Stage.SAFETY,
+        reason=Reason.SCALE_DOWN_UNSAFE,
+        pool=pool,
+        detail=f"fewer than {current} would miss the SLO at the current {raw_rate_rps:.3g} req/s",
+    )
+
+
+def dead_band(
+    pool: Pool, target: int, current: int, config: ControllerConfig
+) -> tuple[int, ReasonEntry | None]:
+    if current > 0 and target != current and abs(target - current) / current < config.dead_band:
+        return current, ReasonEntry(
+            stage=Stage.DEAD_BAND,
+            reason=Reason.WITHIN_DEAD_BAND,
+            pool=pool,
+            detail=f"{target} is within {config.dead_band:.0%} of {current}",
+        )
+    return target, None
+
+
+def stabilise(
+    pool: Pool,
+    target: int,
+    current: int,
+    pstate: PoolState,
+    config: ControllerConfig,
+    now_s: float,
+) -> tuple[int, PoolState, ReasonEntry | None]:
+    """Scale down only after lower recommendations held for the stabilisation window."""
+    if target >= current:
+        return target, replace(pstate, below_since_s=None, below_max=None), None
+    since = pstate.below_since_s if pstate.below_since_s is not None else now_s
+    highest = max(target, pstate.below_max or 0)
+    held_s = now_s - since
+    if held_s < config.scale_down_stabilisation_s:
+        return (
+            current,
+            replace(pstate, below_since_s=since, below_max=highest),
+            ReasonEntry(
+                stage=Stage.STABILISE,
+                reason=Reason.STABILISING,
+                pool=pool,
+                detail=f"lower target held {held_s:.0f} s of "
+                f"{config.scale_down_stabilisation_s:g} s",
+            ),
+        )
+    return (
+        highest,
+        replace(pstate, below_since_s=since, below_max=highest),
+        ReasonEntry(
+            stage=Stage.STABILISE,
+            reason=Reason.STABILISED,
+            pool=pool,
+            detail=f"lower target held {held_s:.0f} s: down to the highest seen, {highest}",
+        ),
+    )
+
+
+def cooldown(
+    pool: Pool,
+    target: int,
+    current: int,
+    pstate: PoolState,
+    config: ControllerConfig,
+    now_s: float,
+) -> tuple[int, ReasonEntry | None]:
+    if target == current or pstate.last_change_s is None:
+        return target, None
+    waited_s = now_s - pstate.last_change_s
+    if target > current and waited_s < config.scale_up_cooldown_s:
+        return current, ReasonEntry(
+            stage=Stage.COOLDOWN,
+            reason=Reason.COOLDOWN_UP,
+            pool=pool,
+            detail=f"{waited_s:.0f} s since the last change (up cooldown "
+            f"{config.scale_up_cooldown_s:g} s)",
+        )
+    if target < current and waited_s < config.scale_down_cooldown_s:
+        return current, ReasonEntry(
+            stage=Stage.COOLDOWN,
+            reason=Reason.COOLDOWN_DOWN,
+            pool=pool,
+            detail=f"{waited_s:.0f} s since the last change (down cooldown "
+            f"{config.scale_down_cooldown_s:g} s)",
+        )
+    return target, None
+
+
+def rate_limit(
+    pool: Pool, target: int, current: int, config: ControllerConfig
+) -> tuple[int, ReasonEntry | None]:
+    step = max(1, math.floor(config.max_step_fraction * current))
+    limited = min(max(target, current - step), current + step)
+    if limited != target:
+        return limited, ReasonEntry(
+            stage=Stage.RATE_LIMIT,
+            reason=Reason.RATE_LIMITED,
+            pool=pool,
+            detail=f"{target} is more than {step} from {current}: {limited} this tick",
+        )
+    return target, None
+
+
+def normalise(
+    pool: Pool,
+    recommended: int,
+    current: int,
+    pstate: PoolState,
+    *,
+    model: CapacityModel,
+    raw_rate_rps: float,
+    ca2: float,
+    aimed: SloTargets,
+    config: ControllerConfig,
+    now_s: float,
+) -> tuple[int, PoolState, list[ReasonEntry]]:
+    """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool."""
+    entries: list[ReasonEntry] = []
+
+    def note(entry: ReasonEntry | None) -> None:
+        if entry is not None:
+            entries.append(entry)
+
+    target, entry = safety(
+        pool, recommended, current, model, raw_rate_rps, ca2, aimed, config.headroom
+    )
+    note(entry)
+    target, entry = dead_band(pool, target, current, config)
+    note(entry)
+    target, pstate, entry = stabilise(pool, target, current, pstate, config, now_s)
+    note(entry)
+    target, entry = cooldown(pool, target, current, pstate, config, now_s)
+    note(entry)
+    target, entry = rate_limit(pool, target, current, config)
+    note(entry)
+    return target, pstate, entries
+
+
+def clamp(
+    targets: PerPool[int],
+    config: ControllerConfig,
+    profile: IterationProfile,
+    model: CapacityModel | None,
+    rate_rps: float,
+    ca2: float,
+) -> tuple[PerPool[int], list[ReasonEntry]]:
+    """Per-pool bounds, then the GPU budget over both pools."""
+    entries: list[ReasonEntry] = []
+    out = targets
+    for pool, value in targets.items():
+        bounds = limits(config, pool)
+        if value < bounds.min_replicas:
+            entries.append(
+                ReasonEntry(
+                    stage=Stage.CLAMP,
+                    reason=Reason.CLAMPED_MIN,
+                    pool=pool,
+                    detail=f"{value} raised to min {bounds.min_replicas}",
+                )
+            )
+            value = bounds.min_replicas
+        if value > bounds.max_replicas:
+            entries.append(
+                ReasonEntry(
+                    stage=Stage.CLAMP,
+                    reason=Reason.CLAMPED_MAX,
+                    pool=pool,
+                    detail=f"{value} lowered to max {bounds.max_replicas}",
+                )
+            )
+            value = bounds.max_replicas
+        out = out.with_value(pool, value)
+    if config.gpu_budget is None:
+        return out, entries
+    workers_budget = config.gpu_budget // profile.tensor_parallel
+    if out.prefill + out.decode <= workers_budget:
+        return out, entries
+    split = split_budget(workers_budget, config, model, rate_rps, ca2)
+    entries.append(
+        ReasonEntry(
+            stage=Stage.CLAMP,
+            reason=Reason.GPU_BUDGET,
+            pool=None,
+            detail=f"{out.prefill}+{out.decode} workers exceed the budget of "
+            f"{config.gpu_budget} GPUs ({workers_budget} workers of TP{profile.tensor_parallel}): "
+            f"{split.prefill}+{split.decode} minimises the predicted SLO violation",
+        )
+    )
+    return split, entries
+
+
+def split_budget(
+    workers: int,
+    config: ControllerConfig,
+    model: CapacityModel | None,
+    rate_rps: float,
+    ca2: float,
+) -> PerPool[int]:
+    """The (prefill, decode) split of ``workers`` with the smallest worst P99/SLO ratio."""
+    lo = max(config.prefill.min_replicas, 1)
+    hi = min(config.prefill.max_replicas, workers - max(config.decode.min_replicas, 1))
+    best: tuple[float, int] | None = None
+    for n in range(lo, max(lo, hi) + 1):
+        m = min(workers - n, config.decode.max_replicas)
+        if m < max(config.decode.min_replicas, 1):
+            continue
+        violation = worst_slo_ratio(PerPool(prefill=n, decode=m), config, model, rate_rps, ca2)
+        if best is None or violation < best[0]:
+            best = (violation, n)
+    if best is None:
+        return PerPool(prefill=config.prefill.min_replicas, decode=config.decode.min_replicas)
+    n = best[1]
+    return PerPool(prefill=n, decode=min(workers - n, config.decode.max_replicas))
+
+
+def worst_slo_ratio(
+    workers: PerPool[int],
+    config: ControllerConfig,
+    model: CapacityModel | None,
+    rate_rps: float,
+    ca2: float,
+) -> float:
+    """The larger of predicted P99 / SLO over both pools (inf when one is unstable)."""
+    if model is None or rate_rps <= 0:
+        return 0.0
+    slo = SloTargets(ttft_p99_s=config.slo.ttft_p99_s, tpot_p99_s=config.slo.tpot_p99_s)
+    ratios = []
+    for pool, n in workers.items():
+        p99 = evaluate_pool(
+            model, pool, workers=n, arrival_rate_rps=rate_rps, ca2=ca2, target_s=slo.of(pool)
+        ).p99_s
+        ratios.append(math.inf if p99 is None else p99 / slo.of(pool))
+    return max(ratios)

@@ -1,0 +1,242 @@
+"""The decision: ``decide(observation, state, config, ...) -> Decision``.
+
+Pure: no I/O, no clock, no randomness — the same inputs give the same decision, so
+the control loop, the simulator's back-testing and the tests all run this one copy
+(through ``controller.tick.run_tick``). One tick is this list of stages, each a
+function in its own module returning its value and a reason (HPA-style):
+
+1. validate   (smoothing)     — hold on missing, NaN, negative or stale data;
+2. smooth     (smoothing)     — EMA of the rate, burst and overload bypasses, the
+                                forecast (which only raises the planning rate);
+3. calibrate  (calibration)   — observed / predicted P99 per pool, outside transients;
+4. recommend  (recommend)     — the solver at the planning rate with headroom;
+5. normalise  (normalisation) — safety at the raw rate, dead-band, stabilisation,
+                                cooldowns, rate limit, per pool;
+6. clamp      (normalisation) — min/max and the GPU budget over both pools;
+7. actuate                    — the verdict per pool, and the predictions that the
+                                next tick's calibration compares with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from controller.config import ControllerConfig, Mode
+from controller.observation import Observation, usable
+from controller.policy.calibration import calibrate
+from controller.policy.decision import Decision, PoolDecision
+from controller.policy.models import CapacityModels
+from controller.policy.normalisation import clamp, normalise
+from controller.policy.recommend import recommend
+from controller.policy.smoothing import (
+    choose_lengths,
+    plan_for_overload,
+    smooth,
+    validate,
+    with_forecast,
+)
+from controller.policy.state import ControllerState, PoolState
+from controller.policy.steady import overloaded
+from controller.policy.vocabulary import Reason, ReasonEntry, Stage, outcome
+from queueing.catalog import resolve_profile
+from queueing.pools import PerPool, Pool
+from queueing.profile import IterationProfile
+from queueing.solver import CapacityModel, evaluate_pool
+
+
+def decide(
+    observation: Observation,
+    state: ControllerState,
+    config: ControllerConfig,
+    *,
+    now_s: float,
+    models: CapacityModels,
+    profile: IterationProfile | None = None,
+    forecast_rate_rps: float | None = None,
+) -> Decision:
+    """One tick. ``profile`` defaults to the built-in one named in ``config.profile``
+    (a profile file is read by the caller, since this function does no I/O);
+    ``models`` is the caller's cache of capacity models.
+
+    ``forecast_rate_rps`` (optional, req/s) is a forecaster's rate for when a worker
+    started now would serve (``forecast.forecast_rate_rps``). It raises the planning
+    rate and nothing else (see ``smoothing.with_forecast``); missing, NaN or negative
+    means no forecast."""
+    current = PerPool.build(lambda pool: observation.replicas(pool).current_replicas)
+    ok, entry = validate(observation, state, config, now_s)
+    if not ok:
+        return _hold(observation, state, current, entry, now_s)
+    reasons: list[ReasonEntry] = [entry]
+    profile = profile or resolve_profile(config.profile)
+    raw_rate = float(observation.arrival_rate_rps or 0.0)
+    ca2 = observation.interarrival_scv if usable(observation.interarrival_scv) else None
+    ca2_value = 1.0 if ca2 is None else float(ca2)
+
+    lengths, lengths_entry = choose_lengths(observation, state)
+    model = models.get(lengths, profile, config)
+    behind = PerPool.build(
+        lambda pool: overloaded(pool, observation, model, state.pools[pool].predicted_p99_s)
+    )
+
+    smoothed, entry = smooth(observation, state, config)
+    reasons.append(entry)
+    if lengths_entry is not None:
+        reasons.append(lengths_entry)
+    rate, maybe = plan_for_overload(smoothed, raw_rate, behind)
+    reasons.extend([maybe] if maybe else [])
+    forecast = forecast_rate_rps if usable(forecast_rate_rps) else None
+    rate, maybe = with_forecast(rate, forecast)
+    reasons.extend([maybe] if maybe else [])
+
+    calibration = calibrate(observation, state, config, behind, now_s)
+    reasons.extend(c.entry for _, c in calibration.items() if c.entry is not None)
+    recommended, aimed, entry = recommend(
+        model, rate, ca2_value, config, calibration.map(lambda c: c.factor)
+    )
+    reasons.append(entry)
+
+    normalised: dict[Pool, tuple[int, PoolState]] = {}
+    for pool in Pool:
+        pstate = replace(
+            state.pools[pool],
+            calibration=calibration[pool].factor,
+            transient_s=calibration[pool].transient_s,
+        )
+        target, pstate, entries = normalise(
+            pool,
+            recommended[pool],
+            current[pool],
+            pstate,
+            model=model,
+            raw_rate_rps=raw_rate,
+            ca2=ca2_value,
+            aimed=aimed,
+            config=config,
+            now_s=now_s,
+        )
+        reasons.extend(entries)
+        normalised[pool] = target, pstate
+    targets, clamp_entries = clamp(
+        PerPool.build(lambda pool: normalised[pool][0]), config, profile, model, rate, ca2_value
+    )
+    reasons.extend(clamp_entries)
+
+    advisory = config.mode is Mode.ADVISORY
+    pool_states: dict[Pool, PoolState] = {}
+    for pool in Pool:
+        pstate = normalised[pool][1]
+        if targets[pool] != current[pool]:
+            pstate = replace(pstate, last_change_s=now_s, below_since_s=None, below_max=None)
+            verdict = Reason.SCALE_UP if targets[pool] > current[pool] else Reason.SCALE_DOWN
+            detail = f"{current[pool]} -> {targets[pool]}"
+        else:
+            verdict, detail = Reason.NO_CHANGE, f"stays at {current[pool]}"
+        if advisory:
+            detail += " (advisory: not applied)"
+        reasons.append(ReasonEntry(stage=Stage.ACTUATE, reason=verdict, pool=pool, detail=detail))
+        # The prediction at the *current* replicas and raw load feeds next tick's
+        # calibration (it is compared with what this window will show).
+        pool_states[pool] = replace(
+            pstate,
+            predicted_p99_s=_predict(model, pool, current[pool], raw_rate, ca2_value, config),
+            predicted_for_replicas=current[pool],
+        )
+    if advisory:
+        reasons.append(
+            ReasonEntry(
+                stage=Stage.ACTUATE,
+                reason=Reason.ADVISORY,
+                pool=None,
+                detail="advisory mode: decided and published, not applied",
+            )
+        )
+    explained = tuple(reasons)
+    changed = targets != current
+
+    def pool_decision(pool: Pool) -> PoolDecision:
+        # What the status shows: the prediction at the target and the planning rate
+        # (the same as the one at the current replicas when nothing changes, which
+        # is most ticks).
+        shown = pool_states[pool].predicted_p99_s
+        if changed:
+            shown = _predict(model, pool, targets[pool], rate, ca2_value, config)
+        return PoolDecision(
+            target=targets[pool],
+            current=current[pool],
+            outcome=outcome(explained, pool),
+            reasons=tuple(r for r in explained if r.concerns(pool)),
+            recommended=recommended[pool],
+            predicted_p99_s=shown,
+            observed_p99_s=observation.observed_p99_s(pool),
+            model_error=calibration[pool].model_error,
+        )
+
+    return Decision(
+        pools=PerPool.build(pool_decision),
+        actuate=changed and not advisory,
+        state=ControllerState(
+            smoothed_rate_rps=smoothed,
+            last_tick_s=now_s,
+            pools=PerPool.build(lambda pool: pool_states[pool]),
+            lengths=lengths,
+        ),
+        reasons=explained,
+        raw_rate_rps=raw_rate,
+        smoothed_rate_rps=smoothed,
+        forecast_rate_rps=forecast,
+        planning_rate_rps=rate,
+    )
+
+
+def _predict(
+    model: CapacityModel,
+    pool: Pool,
+    workers: int,
+    rate_rps: float,
+    ca2: float,
+    config: ControllerConfig,
+) -> float | None:
+    """The pool's predicted P99 at ``workers`` (at least one) and ``rate_rps``."""
+    return evaluate_pool(
+        model,
+        pool,
+        workers=max(1, workers),
+        arrival_rate_rps=rate_rps if rate_rps > 0 else 1e-9,
+        ca2=ca2,
+        target_s=config.slo.ttft_p99_s if pool is Pool.PREFILL else config.slo.tpot_p99_s,
+    ).p99_s
+
+
+def _hold(
+    observation: Observation,
+    state: ControllerState,
+    current: PerPool[int],
+    entry: ReasonEntry,
+    now_s: float,
+) -> Decision:
+    """Stale or missing data: keep every pool as it is and say so."""
+    reasons = (
+        entry,
+        ReasonEntry(
+            stage=Stage.ACTUATE,
+            reason=Reason.NO_CHANGE,
+            pool=None,
+            detail="holding on stale or missing metrics",
+        ),
+    )
+    return Decision(
+        pools=PerPool.build(
+            lambda pool: PoolDecision(
+                target=current[pool],
+                current=current[pool],
+                outcome=outcome(reasons, pool),
+                reasons=reasons,
+                observed_p99_s=observation.observed_p99_s(pool),
+            )
+        ),
+        actuate=False,
+        state=replace(state, last_tick_s=now_s),
+        reasons=reasons,
+        raw_rate_rps=observation.arrival_rate_rps,
+        smoothed_rate_rps=state.smoothed_rate_rps,
+    )

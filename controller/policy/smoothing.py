@@ -1,0 +1,164 @@
+"""Which measurements a tick may act on, and what rate and length mix it plans for.
+
+- ``validate``: missing, NaN, negative or stale measurements hold the pools (never
+  scale down on missing data);
+- ``smooth``: EMA of the arrival rate (0.7·old + 0.3·new by default); a short
+  window far above the EMA bypasses smoothing upwards (burst);
+- ``plan_for_overload``: the measured rate while a pool's serving workers fall
+  behind it (the EMA's lag is then on the wrong side);
+- ``with_forecast``: a forecast raises the planning rate (never lowers it) and
+  nothing else; the EMA itself follows measurements only;
+- ``choose_lengths``: the observed length mix, switched to only when it moved.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from controller.config import ControllerConfig
+from controller.observation import Observation, usable
+from controller.policy.state import ControllerState
+from controller.policy.vocabulary import Reason, ReasonEntry, Stage
+from queueing.lengths import LengthSamples
+from queueing.pools import PerPool
+
+
+def validate(
+    observation: Observation, state: ControllerState, config: ControllerConfig, now_s: float
+) -> tuple[bool, ReasonEntry]:
+    """Whether the observation can drive a decision."""
+    age_s = now_s - observation.time_s
+    problems = []
+    if age_s > config.stale_after_s:
+        problems.append(
+            f"observation is {age_s:.0f} s old (stale after {config.stale_after_s:g} s)"
+        )
+    if age_s < 0:
+        problems.append(f"observation is {-age_s:.0f} s in the future")
+    if not usable(observation.arrival_rate_rps):
+        problems.append(f"arrival rate is {observation.arrival_rate_rps!r}")
+    if observation.lengths is None and state.lengths is None:
+        problems.append("no request-length distribution observed yet")
+    if problems:
+        return False, ReasonEntry(
+            stage=Stage.VALIDATE,
+            reason=Reason.METRICS_STALE,
+            pool=None,
+            detail="; ".join(problems) + ": holding the current replicas",
+        )
+    return True, ReasonEntry(
+        stage=Stage.VALIDATE, reason=Reason.METRICS_OK, pool=None, detail="measurements usable"
+    )
+
+
+def smooth(
+    observation: Observation, state: ControllerState, config: ControllerConfig
+) -> tuple[float, ReasonEntry]:
+    """EMA of the arrival rate, bypassed upwards by a burst."""
+    measured = float(observation.arrival_rate_rps or 0.0)
+    old = state.smoothed_rate_rps
+    if old is None:
+        return measured, ReasonEntry(
+            stage=Stage.SMOOTH,
+            reason=Reason.RATE_INITIALISED,
+            pool=None,
+            detail=f"first measurement {measured:.3g} req/s",
+        )
+    ema = (1.0 - config.ema_weight) * old + config.ema_weight * measured
+    burst = observation.burst_arrival_rate_rps
+    if usable(burst) and burst is not None and burst > config.burst_ratio * ema:
+        rate = max(ema, measured, burst)
+        return rate, ReasonEntry(
+            stage=Stage.SMOOTH,
+            reason=Reason.BURST_DETECTED,
+            pool=None,
+            detail=f"burst {burst:.3g} req/s > {config.burst_ratio:g} x EMA {ema:.3g}: "
+            f"planning for {rate:.3g} req/s",
+        )
+    return ema, ReasonEntry(
+        stage=Stage.SMOOTH,
+        reason=Reason.RATE_SMOOTHED,
+        pool=None,
+        detail=f"EMA {ema:.3g} req/s from {old:.3g} and measured {measured:.3g}",
+    )
+
+
+def plan_for_overload(
+    rate_rps: float,
+    measured_rps: float,
+    behind: PerPool[str | None],
+) -> tuple[float, ReasonEntry | None]:
+    """While a pool's serving workers fall behind (``behind``, from ``steady.overloaded``),
+    plan for the measured rate when it is above the smoothed one: the EMA's lag is
+    then on the wrong side, and every tick of it adds to a backlog that the new
+    workers (after their startup) must also clear."""
+    why = "; ".join(f"{pool.value}: {text}" for pool, text in behind.items() if text)
+    if not why or measured_rps <= rate_rps:
+        return rate_rps, None
+    return measured_rps, ReasonEntry(
+        stage=Stage.SMOOTH,
+        reason=Reason.OVERLOAD_DETECTED,
+        pool=None,
+        detail=f"{why}: planning for the measured {measured_rps:.3g} req/s "
+        f"(smoothed {rate_rps:.3g})",
+    )
+
+
+def with_forecast(
+    rate_rps: float, forecast_rate_rps: float | None
+) -> tuple[float, ReasonEntry | None]:
+    """The planning rate: the smoothed rate, raised to the forecast when it is higher.
+
+    The forecast only raises the rate the pools are sized for: the EMA keeps tracking
+    measurements, and calibration and the safety check stay on the measured rate, so
+    a forecast never biases what the controller learns about its model.
+    """
+    if forecast_rate_rps is None or not usable(forecast_rate_rps):
+        return rate_rps, None
+    if forecast_rate_rps <= rate_rps:
+        return rate_rps, None
+    return forecast_rate_rps, ReasonEntry(
+        stage=Stage.SMOOTH,
+        reason=Reason.FORECAST_RAISED,
+        pool=None,
+        detail=f"forecast {forecast_rate_rps:.3g} req/s > {rate_rps:.3g}: "
+        f"planning for the forecast",
+    )
+
+
+def choose_lengths(
+    observation: Observation, state: ControllerState
+) -> tuple[LengthSamples, ReasonEntry | None]:
+    """Switch to the observed length mix only when it moved (keeps the model cache warm)."""
+    seen = observation.lengths
+    kept = state.lengths
+    if seen is None:
+        assert kept is not None  # validate() guarantees one of them
+        return kept, None
+    if kept is not None and not _moved(kept, seen):
+        return kept, None
+    return seen, ReasonEntry(
+        stage=Stage.SMOOTH,
+        reason=Reason.LENGTHS_UPDATED,
+        pool=None,
+        detail=f"length mix: mean prompt {float(seen.prompt_tokens.mean()):.0f}, "
+        f"mean output {float(seen.output_tokens.mean()):.0f} tokens",
+    )
+
+
+def _summary(values: np.ndarray) -> list[float]:
+    """Mean and (nearest-rank) P50/P90/P99 from one sort: cheaper than np.quantile."""
+    ordered = np.sort(values)
+    n = len(ordered)
+    return [float(ordered.mean())] + [
+        float(ordered[min(n - 1, int(q * n))]) for q in (0.5, 0.9, 0.99)
+    ]
+
+
+def _moved(old: LengthSamples, new: LengthSamples, tolerance: float = 0.05) -> bool:
+    """Whether the mean or a tail quantile of either length moved by more than 5 %."""
+    for a, b in ((old.prompt_tokens, new.prompt_tokens), (old.output_tokens, new.output_tokens)):
+        for x, y in zip(_summary(a), _summary(b), strict=True):
+            if abs(y - x) > tolerance * max(x, 1.0):
+                return True
+    return False

@@ -1,0 +1,73 @@
+"""What ``decide`` carries from one tick to the next, and its JSON codec.
+
+The state is persisted after every tick (a file beside the controller, or the
+``SLOAutoscaler``'s ``status.policyState``), so a restarted controller resumes its
+EMA, cooldowns, stabilisation windows and calibration instead of starting over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from queueing.lengths import LengthSamples
+from queueing.pools import PerPool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolState:
+    """What one pool remembers between ticks."""
+
+    last_change_s: float | None = None
+    below_since_s: float | None = None  # recommendations below current since then
+    below_max: int | None = None  # the highest of those recommendations
+    calibration: float = 1.0  # observed / predicted P99, smoothed and bounded
+    predicted_p99_s: float | None = None  # at the replicas and load of the last tick
+    predicted_for_replicas: int | None = None
+    transient_s: float | None = None  # the last tick that saw the pool in a transient
+
+
+def _fresh_pools() -> PerPool[PoolState]:
+    return PerPool.both(PoolState())
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerState:
+    """Everything ``decide`` carries from one tick to the next (persisted as JSON)."""
+
+    smoothed_rate_rps: float | None = None
+    last_tick_s: float | None = None
+    pools: PerPool[PoolState] = field(default_factory=_fresh_pools)
+    lengths: LengthSamples | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "smoothed_rate_rps": self.smoothed_rate_rps,
+            "last_tick_s": self.last_tick_s,
+            **{pool.value: vars(pstate).copy() for pool, pstate in self.pools.items()},
+            "lengths": None
+            if self.lengths is None
+            else {
+                "prompt_tokens": self.lengths.prompt_tokens.tolist(),
+                "output_tokens": self.lengths.output_tokens.tolist(),
+                "source": self.lengths.source,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ControllerState:
+        lengths = data.get("lengths")
+        return cls(
+            smoothed_rate_rps=data.get("smoothed_rate_rps"),
+            last_tick_s=data.get("last_tick_s"),
+            pools=PerPool.build(lambda pool: PoolState(**data.get(pool.value, {}))),
+            lengths=None
+            if lengths is None
+            else LengthSamples(
+                prompt_tokens=np.asarray(lengths["prompt_tokens"], dtype=np.int64),
+                output_tokens=np.asarray(lengths["output_tokens"], dtype=np.int64),
+                source=str(lengths["source"]),
+            ),
+        )
