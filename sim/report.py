@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from queueing.pools import Pool
 from sim.backtest import BacktestResult
 
 if TYPE_CHECKING:
@@ -185,14 +186,15 @@ def _plot_replicas(results: Mapping[str, BacktestResult], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = _figure(2)
-    for pool, ax in zip(("prefill", "decode"), axes, strict=True):
+    for pool, ax in zip(Pool, axes, strict=True):
+        column = 1 if pool is Pool.PREFILL else 2  # timeline rows: (time, prefill, decode)
         for i, (name, r) in enumerate(results.items()):
             times = [t / 60.0 for t, _, _ in r.timeline] + [r.duration_s / 60.0]
-            sizes = [p if pool == "prefill" else d for _, p, d in r.timeline]
+            sizes = [row[column] for row in r.timeline]
             sizes.append(sizes[-1])
             colour, dash = _style(name, i)
             ax.step(times, sizes, where="post", color=colour, linestyle=dash, label=name)
-        ax.set_title(f"{pool.capitalize()} pool: provisioned workers (starting or serving)")
+        ax.set_title(f"{pool.value.capitalize()} pool: provisioned workers (starting or serving)")
         ax.set_xlabel("time (min)")
         ax.set_ylabel("workers")
         ax.set_ylim(bottom=0)
