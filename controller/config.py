@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 import typing
 from collections.abc import Iterator, Mapping
@@ -146,9 +145,17 @@ class KnobField:
         return self.type if dataclasses.is_dataclass(self.type) else None
 
 
-@functools.cache  # every validation walks these; the classes never change
+_FIELDS: dict[type, tuple[KnobField, ...]] = {}  # every validation walks these
+
+
 def knob_fields(cls: type) -> tuple[KnobField, ...]:
     """The fields of config block ``cls`` in declaration order, with their metadata."""
+    if cls not in _FIELDS:
+        _FIELDS[cls] = _knob_fields(cls)
+    return _FIELDS[cls]
+
+
+def _knob_fields(cls: type) -> tuple[KnobField, ...]:
     hints = typing.get_type_hints(cls)
     out = []
     for item in fields(cls):
@@ -212,7 +219,7 @@ def _check(path: str, item: KnobField, value: Any) -> None:
         raise ConfigError(f"{path}: must be {relation} {upper:g}, got {value!r}")
 
 
-def _check_block(block: Any, path: str) -> None:
+def _check_block(block: object, path: str) -> None:
     """The plain checks of every field of ``block``; nested blocks validate themselves."""
     prefix = f"{path}." if path else ""
     for item in knob_fields(type(block)):

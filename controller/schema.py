@@ -78,7 +78,7 @@ _Dumper.add_representer(str, _string)
 def render_crd(current_text: str) -> str:
     """The CRD's text: ``current_text`` with the spec schema generated afresh."""
     document = crd_document(yaml.safe_load(current_text))
-    body = yaml.dump(document, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=88)
+    body: str = yaml.dump(document, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=88)
     return CRD_HEADER + body
 
 

@@ -198,7 +198,7 @@ def _add_required(node: dict[str, Any], prefix: str) -> None:
     if required or prefix:
         # Keep the keys in the order people read a schema: type, description, then the
         # constraints, the default and the properties.
-        ordered = {key: node[key] for key in ("type", "description") if key in node}
+        ordered: dict[str, Any] = {key: node[key] for key in ("type", "description") if key in node}
         for key in ("default", "required", "x-kubernetes-validations"):
             if key in node:
                 ordered[key] = node[key]
