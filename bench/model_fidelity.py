@@ -15,6 +15,8 @@ half-width of a t-interval (95 %) over the replications, relative to the mean.
 
     .venv/bin/python bench/model_fidelity.py            # full table (~5 min, 2 cores)
     .venv/bin/python bench/model_fidelity.py --quick    # fewer requests and rows
+    .venv/bin/python bench/model_fidelity.py --random   # drawn cases (bench/fidelity_random.py)
+    .venv/bin/python bench/model_fidelity.py --random --quick
 """
 
 from __future__ import annotations
@@ -153,7 +155,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=15_000, help="per replication")
     parser.add_argument("--replications", type=int, default=6)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--random", action="store_true", help="drawn cases instead of the table")
+    parser.add_argument("--seed", type=int, default=2026, help="--random: the cases' seed")
+    parser.add_argument("--cases", type=int, default=60, help="--random: how many cases")
     args = parser.parse_args()
+    if args.random:
+        import fidelity_random
+
+        fidelity_random.main(
+            seed=args.seed,
+            cases=16 if args.quick else args.cases,
+            requests=2_000 if args.quick else 4_000,
+            replications=3 if args.quick else 4,
+            jobs=args.jobs,
+        )
+        return
     requests = 6_000 if args.quick else args.requests
     replications = 1 if args.quick else args.replications
     utils = (0.5, 0.85) if args.quick else UTILISATIONS

@@ -1,0 +1,371 @@
+"""Randomised fidelity cases: the capacity model against the simulator on drawn mixes.
+
+A *case* is a length mix drawn from a family (below), a profile, a TPOT SLO (which
+sets the token budget), a prefill pool of N workers at a nominal utilisation, a
+decode pool of M workers, and an arrival process (Gamma renewal with SCV ca2). For
+each case the model predicts the P99 TTFT and TPOT, and the simulator measures them
+over independent replications (a t-interval over the replications' P99s: queueing
+waits are autocorrelated, so one run's order-statistic interval would understate
+the noise).
+
+Decision exactness. The simulator also runs the case at N - 1 and M - 1 workers. An
+SLO is drawn between the simulated P99 at N and at N - 1 (log-uniformly in the
+middle half of that gap, at most 1.5x the P99 at N), so the smallest pool that the
+simulator confirms meets it is N by construction; the solver (``queueing.solver.
+solve`` at zero headroom) is asked for its smallest pool at that SLO. When the two
+simulated P99s are closer than their confidence intervals the smallest pool is not
+decided by the simulator and the case is reported as such, not as a hit or a miss.
+
+Length families, each drawn with random parameters and clipped to the profile's
+context (prompt + output <= the model's maximum context, so mass piles up at the
+maximum when the family's tail reaches it):
+
+- ``lognormal``: prompt and output lognormal, spreads sigma 0.4-1.6;
+- ``bimodal``: short chat-like prompts mixed with a 5-30 % share of long documents;
+- ``pareto``: Lomax (Pareto II) prompts with tail index 1.1-2.5 — the heaviest tails;
+- ``bundled``: one of the bundled trace files' (prompt, output) pairs;
+- ``long``: long-context prompts (median 4k-32k tokens) on a long-context profile.
+
+Pure apart from reading the bundled trace files; randomness only from the
+generator passed in.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+from queueing.lengths import LengthSamples
+from queueing.profile import IterationProfile
+from queueing.solver import CapacityModel, InfeasibleSLOError, KvLink, SloTargets, solve
+from sim.cluster import Cluster, ClusterConfig
+from sim.trace_io import load_lengths
+from sim.workload import gamma_arrivals, synthesize
+
+_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = (
+    _ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv",
+    _ROOT / "data/traces/AzureLLMInferenceTrace_code.csv",
+    _ROOT / "data/traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+    _ROOT / "data/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
+)
+SAMPLE_SIZE = 20_000
+POOL_SIZES = (1, 1, 2, 2, 3, 4, 4, 6, 8, 8, 12, 16, 24, 32, 48, 64)
+ARRIVAL_SCVS = (1.0, 2.0, 4.0)
+TPOT_SLOS_S = (0.05, 0.1, 0.2)
+LINK = KvLink()
+
+
+class Family(Enum):
+    LOGNORMAL = "lognormal"
+    BIMODAL = "bimodal"
+    PARETO = "pareto"
+    BUNDLED = "bundled"
+    LONG = "long"
+
+
+def _lognormal(rng: np.random.Generator, median: float, sigma: float, size: int) -> np.ndarray:
+    return np.asarray(median * np.exp(sigma * rng.standard_normal(size)))
+
+
+def draw_lengths(
+    family: Family, *, max_context_tokens: int, rng: np.random.Generator
+) -> tuple[LengthSamples, str]:
+    """A length sample of ``family`` with drawn parameters, clipped to the context.
+
+    Returns the sample and a short description of its parameters.
+    """
+    n = SAMPLE_SIZE
+    output = _lognormal(rng, float(rng.uniform(20, 400)), float(rng.uniform(0.4, 1.2)), n)
+    if family is Family.LOGNORMAL:
+        median, sigma = float(np.exp(rng.uniform(np.log(100), np.log(4000)))), rng.uniform(0.4, 1.6)
+        prompt = _lognormal(rng, median, float(sigma), n)
+        label = f"lognormal(median {median:.0f}, sigma {sigma:.2f})"
+    elif family is Family.BIMODAL:
+        share = float(rng.uniform(0.05, 0.3))
+        short = _lognormal(rng, float(rng.uniform(50, 500)), 0.6, n)
+        long_median = float(rng.uniform(2000, 8000))
+        long = _lognormal(rng, long_median, 0.4, n)
+        prompt = np.where(rng.random(n) < share, long, short)
+        label = f"bimodal({share:.0%} near {long_median:.0f})"
+    elif family is Family.PARETO:
+        alpha, scale = float(rng.uniform(1.1, 2.5)), float(rng.uniform(100, 1500))
+        prompt = scale * (rng.pareto(alpha, n) + 0.1)
+        label = f"pareto(alpha {alpha:.2f}, scale {scale:.0f})"
+    elif family is Family.BUNDLED:
+        path = BUNDLED[int(rng.integers(len(BUNDLED)))]
+        sample = load_lengths(path)
+        rows = rng.integers(0, len(sample), size=n)
+        prompt = sample.prompt_tokens[rows].astype(np.float64)
+        output = sample.output_tokens[rows].astype(np.float64)
+        label = f"bundled({path.name.split('_')[0].split('.')[0]})"
+    else:
+        median = float(np.exp(rng.uniform(np.log(4000), np.log(32000))))
+        prompt = _lognormal(rng, median, float(rng.uniform(0.3, 1.0)), n)
+        label = f"long(median {median:.0f})"
+    out = np.clip(np.rint(output), 1, max_context_tokens // 4).astype(np.int64)
+    # The context holds prompt + output: a prompt longer than that is cut to fit,
+    # which is where clipped mass piles up.
+    prompt_int = np.clip(np.rint(prompt), 1, max_context_tokens - out).astype(np.int64)
+    at_max = float(np.mean(prompt_int + out >= max_context_tokens))
+    if at_max > 0:
+        label += f", {at_max:.1%} at the context limit"
+    return LengthSamples(prompt_tokens=prompt_int, output_tokens=out, source=label), label
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    index: int
+    family: Family
+    label: str
+    profile: IterationProfile
+    tpot_slo_s: float
+    prefill_workers: int
+    utilisation: float
+    ca2: float
+    seed: int
+
+
+def draw_cases(
+    count: int,
+    *,
+    profiles: Sequence[IterationProfile],
+    long_profiles: Sequence[IterationProfile],
+    max_context: dict[str, int],
+    rng: np.random.Generator,
+    max_utilisation: float = 0.9,
+) -> list[tuple[Case, LengthSamples]]:
+    """``count`` cases with their length samples, the families in turn."""
+    families = list(Family)
+    cases = []
+    for index in range(count):
+        family = families[index % len(families)]
+        pool = long_profiles if family is Family.LONG else profiles
+        profile = pool[int(rng.integers(len(pool)))]
+        samples, label = draw_lengths(family, max_context_tokens=max_context[profile.name], rng=rng)
+        case = Case(
+            index=index,
+            family=family,
+            label=label,
+            profile=profile,
+            tpot_slo_s=float(TPOT_SLOS_S[int(rng.integers(len(TPOT_SLOS_S)))]),
+            prefill_workers=int(POOL_SIZES[int(rng.integers(len(POOL_SIZES)))]),
+            utilisation=float(rng.uniform(0.1, max_utilisation)),
+            ca2=float(ARRIVAL_SCVS[int(rng.integers(len(ARRIVAL_SCVS)))]),
+            seed=int(rng.integers(2**31)),
+        )
+        cases.append((case, samples))
+    return cases
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """Mean over replications of a simulated P99, and its 95 % t-interval half-width."""
+
+    mean_s: float
+    half_width_s: float
+
+    @property
+    def relative_ci(self) -> float:
+        return self.half_width_s / self.mean_s
+
+
+def measured(values: Sequence[float]) -> Measured:
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return Measured(mean_s=mean, half_width_s=math.nan)
+    t = float(stats.t.ppf(0.975, len(values) - 1))
+    return Measured(mean_s=mean, half_width_s=t * statistics.stdev(values) / math.sqrt(len(values)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """Smallest pool meeting a drawn SLO: the simulator's (None: not decided by the
+    simulator within its noise) and the solver's (None: the solver found none)."""
+
+    slo_s: float
+    simulated: int | None
+    solver: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaseResult:
+    case: Case
+    decode_workers: int
+    ttft_pred_s: float
+    ttft_sim: Measured
+    tpot_pred_s: float
+    tpot_sim: Measured
+    prefill_decision: Decision | None
+    decode_decision: Decision | None
+
+    @property
+    def ttft_err(self) -> float:
+        return self.ttft_pred_s / self.ttft_sim.mean_s - 1.0
+
+    @property
+    def tpot_err(self) -> float:
+        return self.tpot_pred_s / self.tpot_sim.mean_s - 1.0
+
+
+def decode_workers_for(model: CapacityModel, rate: float, ca2: float, u: float) -> int:
+    """The fewest decode workers whose mean KV use is at most ``u`` and whose P99
+    batch and reserved KV fit a worker."""
+    d = model.decode
+    m = d.min_stable_workers(rate)
+    while True:
+        if d.is_stable(workers=m, arrival_rate_rps=rate):
+            state = d.load(workers=m, arrival_rate_rps=rate, ca2=ca2, quantile=0.99)
+            if (
+                state.kv_utilisation <= u
+                and state.kv_blocks_p99 <= d.kv_capacity_blocks
+                and state.batch_p99 <= d.max_batch
+            ):
+                return m
+        m += 1
+
+
+def _simulate(
+    case: Case,
+    samples: LengthSamples,
+    model: CapacityModel,
+    *,
+    prefill_workers: int,
+    decode_workers: int,
+    rate: float,
+    requests: int,
+    replications: int,
+) -> tuple[list[float], list[float]]:
+    config = ClusterConfig(
+        prefill_workers=prefill_workers,
+        decode_workers=decode_workers,
+        profile=case.profile,
+        token_budget=model.token_budget,
+        kv_link_bytes_per_s=LINK.bytes_per_s,
+    )
+    ttft, tpot = [], []
+    for replication in range(replications):
+        rng = np.random.default_rng([case.seed, replication])
+        duration_s = requests / rate
+        arrivals = gamma_arrivals(rate_rps=rate, ca2=case.ca2, duration_s=duration_s, rng=rng)
+        trace = synthesize(arrival_s=arrivals, lengths=samples, rng=rng, source=case.label)
+        results = Cluster(config, trace).run()
+        # The cluster starts empty: leave out the first 5 % of the arrivals (warm-up).
+        steady = trace.arrival_s >= 0.05 * duration_s
+        ttft.append(float(np.quantile(results.ttft_s[steady], 0.99)))
+        tpot.append(float(np.nanquantile(results.tpot_s[steady], 0.99)))
+    return ttft, tpot
+
+
+def _decide(
+    at_n: Measured, below: Measured | None, workers: int, position: float
+) -> tuple[float, int | None]:
+    """The drawn SLO and the simulator's smallest pool (see the module docstring)."""
+    upper = 1.5 * at_n.mean_s
+    if below is not None:
+        upper = min(upper, below.mean_s)
+    slo_s = at_n.mean_s * (upper / at_n.mean_s) ** position if upper > at_n.mean_s else at_n.mean_s
+    if below is None:
+        return slo_s, workers
+    noise = at_n.half_width_s + below.half_width_s
+    decided = below.mean_s - at_n.mean_s > noise
+    return slo_s, workers if decided else None
+
+
+def run_case(
+    case: Case,
+    samples: LengthSamples,
+    *,
+    requests: int,
+    replications: int,
+    decisions: bool = True,
+) -> CaseResult:
+    """Predict and simulate one case (and, with ``decisions``, its pools one smaller)."""
+    model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
+    n = case.prefill_workers
+    rate = case.utilisation * n / model.prefill.mean_service_s
+    m = decode_workers_for(model, rate, case.ca2, case.utilisation)
+    ttft, tpot = _simulate(
+        case,
+        samples,
+        model,
+        prefill_workers=n,
+        decode_workers=m,
+        rate=rate,
+        requests=requests,
+        replications=replications,
+    )
+    ttft_sim, tpot_sim = measured(ttft), measured(tpot)
+    prefill_decision = decode_decision = None
+    if decisions:
+        below_ttft = below_tpot = None
+        if n > 1 or m > 1:
+            # Both pools one smaller in one run: neither pool's latency depends on the
+            # other's size (the decode pool applies no back-pressure to prefill).
+            t_below, p_below = _simulate(
+                case,
+                samples,
+                model,
+                prefill_workers=max(1, n - 1),
+                decode_workers=max(1, m - 1),
+                rate=rate,
+                requests=requests,
+                replications=replications,
+            )
+            below_ttft = measured(t_below) if n > 1 else None
+            below_tpot = measured(p_below) if m > 1 else None
+        rng = np.random.default_rng([case.seed, 1_000])
+        ttft_slo, sim_n = _decide(ttft_sim, below_ttft, n, float(rng.uniform(0.25, 0.75)))
+        tpot_slo, sim_m = _decide(tpot_sim, below_tpot, m, float(rng.uniform(0.25, 0.75)))
+        solver_n, solver_m = _solver_answer(model, rate, case.ca2, ttft_slo, tpot_slo)
+        prefill_decision = Decision(slo_s=ttft_slo, simulated=sim_n, solver=solver_n)
+        decode_decision = Decision(slo_s=tpot_slo, simulated=sim_m, solver=solver_m)
+    return CaseResult(
+        case=case,
+        decode_workers=m,
+        ttft_pred_s=model.prefill.ttft_quantile_s(
+            workers=n, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
+        ),
+        ttft_sim=ttft_sim,
+        tpot_pred_s=model.decode.tpot_quantile_s(
+            workers=m, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
+        ),
+        tpot_sim=tpot_sim,
+        prefill_decision=prefill_decision,
+        decode_decision=decode_decision,
+    )
+
+
+def _solver_answer(
+    model: CapacityModel, rate: float, ca2: float, ttft_slo_s: float, tpot_slo_s: float
+) -> tuple[int | None, int | None]:
+    """The solver's pools at zero headroom; a pool whose SLO it finds infeasible is None.
+
+    ``solve`` checks both SLOs' floors before searching, so each pool is asked with the
+    other pool's SLO made loose (an SLO at its floor or above is always feasible).
+    """
+    loose = 1e6
+
+    def one(ttft_s: float, tpot_s: float) -> tuple[int, int] | None:
+        try:
+            result = solve(
+                model,
+                arrival_rate_rps=rate,
+                ca2=ca2,
+                slo=SloTargets(ttft_p99_s=ttft_s, tpot_p99_s=tpot_s),
+                headroom=0.0,
+            )
+        except InfeasibleSLOError:
+            return None
+        return result.prefill_workers, result.decode_workers
+
+    prefill = one(ttft_slo_s, loose)
+    decode = one(loose, tpot_slo_s)
+    return (prefill[0] if prefill else None), (decode[1] if decode else None)
