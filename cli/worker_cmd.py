@@ -3,9 +3,15 @@
     sara worker prefill --redis redis://127.0.0.1:6379 --model DIR --metrics-listen :9400
     sara worker decode  --redis redis://127.0.0.1:6379 --model DIR --metrics-listen :9401
 
+    sara worker prefill --engine emulated --profile llama-3-8b@h100-sxm --model DIR ...
+
 ``--model tiny`` means the generated tiny model, written once into ``--model-cache``
-(so every process of a deployment loads the same weights and tokenizer). A worker
-stops on SIGTERM after draining (finishes what it holds, deregisters), exit 0.
+(so every process of a deployment loads the same weights and tokenizer). With
+``--engine emulated`` no model runs: ``workers.emulated`` times every step by
+``--profile`` (``--model`` is read only for its ``config.json``: vocabulary and
+context), and the worker waits the profile's startup time (``--startup-s``) before
+it serves. A worker stops on SIGTERM after draining (finishes what it holds,
+deregisters), exit 0.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from cli.runtime import add_deployment_args, resolve_model
 from queueing.pools import Pool
 from workers.protocol import RECLAIM_MIN_IDLE_MS
 
+DEFAULT_KV_SCALE = 1.0 / 256  # workers.emulated.DEFAULT_KV_SCALE (the parser imports no torch)
+
 
 def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
@@ -38,11 +46,25 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+TORCH_MISSING = (
+    "torch is not installed: pip install -e '.[workers]' (both engines need it: the "
+    "emulated one for the KV tensors it hands off)"
+)
+
+
+def require_torch() -> None:
+    """``UsageError`` in one line when torch is missing (the workers' one heavy need)."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise UsageError(TORCH_MISSING) from exc
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
+    require_torch()
     import torch
 
-    from workers.checkpoint import CheckpointError, load_model
-    from workers.engine import Engine, tune_cpu_allocator
+    from workers.engine import tune_cpu_allocator
     from workers.protocol import connect
     from workers.transfer import RedisKvTransport
     from workers.worker import WorkerSettings
@@ -61,12 +83,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
         tune_cpu_allocator()
     host, port = common.parse_listen("--metrics-listen", args.metrics_listen, any_port=True)
     worker_id = args.worker_id or f"{pool.value}-{socket.gethostname()}-{os.getpid()}"
+    profile = _emulated_profile(args) if args.engine == "emulated" else None
+    num_blocks = args.num_blocks
+    if num_blocks is None:  # the emulated cache is the profile's: what the model assumes
+        num_blocks = 1024 if profile is None else profile.kv_capacity_tokens // args.block_size
     try:
         settings = WorkerSettings(
             worker_id=worker_id,
             pool=pool,
             token_budget=args.token_budget,
-            num_blocks=args.num_blocks,
+            num_blocks=num_blocks,
             block_size=args.block_size,
             max_running=args.max_running,
             key_prefix=args.key_prefix,
@@ -75,21 +101,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--{str(exc).split(':')[0].replace('_', '-')}: {exc}") from exc
     model_dir = resolve_model(args.model, Path(args.model_cache))
-    try:
-        model = load_model(model_dir, device=args.device)
-    except CheckpointError as exc:
-        raise UsageError(f"--model: {exc}") from exc
-    engine = Engine(
-        model,
-        token_budget=settings.token_budget,
-        num_blocks=settings.num_blocks,
-        block_size=settings.block_size,
-        max_running=settings.max_running,
-        keep_finished_kv=True,
+    metrics = WorkerMetrics(pool)
+    engine = (
+        _torch_engine(args, model_dir, settings)
+        if profile is None
+        else _emulated_engine(args, model_dir, settings, profile, metrics)
     )
     client = connect(args.redis)
     transport: Any = RedisKvTransport(client, key_prefix=f"{settings.key_prefix}:kv")
-    metrics = WorkerMetrics(pool)
     extra: dict[str, Any] = {}
     closers: list[Any] = []
     if args.kv_transport == "torch":
@@ -147,6 +166,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     holder["worker"] = worker
     http.start()
     try:
+        startup_s = _startup_s(args, profile)
+        if startup_s > 0:
+            logging.info("emulating the profile's startup: %.1f s", startup_s)
+            if stop.wait(startup_s):  # stopped while starting: nothing held, nothing to drain
+                return 0
         return int(worker.run(stop))
     finally:
         http.stop()
@@ -154,16 +178,112 @@ def cmd_worker(args: argparse.Namespace) -> int:
             closer.close()
 
 
+def _torch_engine(args: argparse.Namespace, model_dir: Path, settings: Any) -> Any:
+    from workers.checkpoint import CheckpointError, load_model
+    from workers.engine import Engine
+
+    try:
+        model = load_model(model_dir, device=args.device)
+    except CheckpointError as exc:
+        raise UsageError(f"--model: {exc}") from exc
+    return Engine(
+        model,
+        token_budget=settings.token_budget,
+        num_blocks=settings.num_blocks,
+        block_size=settings.block_size,
+        max_running=settings.max_running,
+        keep_finished_kv=True,
+    )
+
+
+def _emulated_profile(args: argparse.Namespace) -> Any:
+    from controller.profiles import load_profile
+    from queueing.profile import ProfileError
+
+    if not args.profile:
+        raise UsageError("--profile: --engine emulated needs an iteration-time profile")
+    try:
+        return load_profile(args.profile)
+    except (OSError, ProfileError) as exc:
+        raise UsageError(f"--profile: {exc}") from exc
+
+
+def _emulated_engine(
+    args: argparse.Namespace, model_dir: Path, settings: Any, profile: Any, metrics: Any
+) -> Any:
+    import json
+
+    from prometheus_client import Counter
+
+    from workers.emulated import EmulatedEngine, EmulatedModel
+
+    profile_s = Counter(
+        "sara_worker_emulated_profile_seconds",
+        "Emulated engine: the profile's time of the steps run (iteration seconds over it "
+        "is the emulation's timing accuracy).",
+        ["pool"],
+        registry=metrics.registry,
+    ).labels(settings.pool.value)
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        model = EmulatedModel.from_config(config)
+        return EmulatedEngine(
+            profile,
+            model=model,
+            token_budget=settings.token_budget,
+            num_blocks=settings.num_blocks,
+            block_size=settings.block_size,
+            max_running=settings.max_running,
+            keep_finished_kv=True,
+            kv_scale=args.kv_scale,
+            on_step=profile_s.inc,
+        )
+    except (OSError, ValueError) as exc:
+        field = "kv-scale" if str(exc).startswith("kv_scale") else "model"
+        raise UsageError(f"--{field}: {exc}") from exc
+
+
+def _startup_s(args: argparse.Namespace, profile: Any) -> float:
+    """Seconds an emulated worker waits before serving: ``--startup-s``, else the profile's."""
+    if profile is None:
+        return 0.0
+    value = profile.startup_s if args.startup_s is None else args.startup_s
+    if not value >= 0:
+        raise UsageError(f"--startup-s: expected seconds >= 0, got {value}")
+    return float(value)
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("worker", help="a prefill or decode worker process")
     p.add_argument("pool", choices=[pool.value for pool in Pool])
     add_deployment_args(p)
+    p.add_argument(
+        "--engine",
+        choices=("torch", "emulated"),
+        default="torch",
+        help="torch: run --model; emulated: time every step by --profile (no model)",
+    )
+    p.add_argument("--profile", metavar="NAME|FILE", help="emulated: the iteration-time profile")
+    p.add_argument(
+        "--kv-scale",
+        type=float,
+        default=DEFAULT_KV_SCALE,
+        help=f"emulated: KV bytes handed off per profile byte (default {DEFAULT_KV_SCALE:g})",
+    )
+    p.add_argument(
+        "--startup-s", type=float, help="emulated: seconds before serving (default: the profile's)"
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=1, help="cpu: torch threads (default 1)")
     p.add_argument("--metrics-listen", default="127.0.0.1:0", metavar="HOST:PORT")
     p.add_argument("--worker-id", help="unique id (default POOL-HOST-PID)")
     p.add_argument("--token-budget", type=int, default=512, help="tokens per engine step")
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV-cache blocks")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        help="KV-cache blocks (default 1024; emulated: the profile's kv_capacity_tokens)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-running", type=int, default=64, help="sequences per batch")
     p.add_argument(
@@ -181,6 +301,6 @@ def register(sub: Any) -> None:
         "--reclaim-idle-ms",
         type=int,
         default=RECLAIM_MIN_IDLE_MS,
-        help="take over another worker's entry idle this long (it died)",
+        help="take over the entries of a worker gone from the registry once idle this long",
     )
     p.set_defaults(func=cmd_worker)

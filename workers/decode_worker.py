@@ -130,14 +130,14 @@ class DecodeWorker(Worker):
 
     def admit_reclaimed(self, delivery: object) -> None:
         assert isinstance(delivery, Delivery) and isinstance(delivery.message, DecodeRequest)
-        if self._pending is None:
-            self._pending, self._pending_reclaimed = delivery, True
-            self._try_admit()
-            if self._pending is None:
-                return
-        # Busy: leave it pending in the group, unheld, for whoever reclaims it next
-        # (ourselves, at the next reclaim), rather than hold two entries without room.
-        logger.info("no room now for reclaimed entry %s; leaving it", delivery.entry_id)
+        # reclaim_room() asked for one only when nothing is pending: it becomes the
+        # pending entry (kept alive) until it is admitted.
+        assert self._pending is None, "reclaim_room() allows one only when none is pending"
+        self._pending, self._pending_reclaimed = delivery, True
+        self._try_admit()
+
+    def reclaim_room(self) -> int:
+        return 1 if self._pending is None and self._has_place() else 0
 
     def _has_place(self) -> bool:
         return len(self._held) < self.settings.max_running

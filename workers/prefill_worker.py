@@ -122,6 +122,9 @@ class PrefillWorker(Worker):
         assert isinstance(delivery, Delivery) and isinstance(delivery.message, PrefillRequest)
         self._admit(delivery)
 
+    def reclaim_room(self) -> int:
+        return max(0, self.settings.max_running - len(self._held))
+
     def _admit(self, delivery: Delivery[PrefillRequest]) -> None:
         req = delivery.message
         if req.expired(self.wall_clock()) or self.streams.cancelled([req.request_id]):

@@ -22,11 +22,14 @@ Invariants that keep requests from being lost or leaking:
   limit compares against it, atomically in a script (``enqueue_prefill``).
 - Stream lengths are capped (``MAXLEN ~``) far above any admission limit, as a
   guard only: trimming drops entries regardless of their state.
-- Pending entries of a dead consumer are reclaimed with ``XAUTOCLAIM`` after
-  ``RECLAIM_MIN_IDLE_MS``; live workers call ``keep_alive`` on what they hold
-  (at most every ``KEEPALIVE_INTERVAL_MS``) so a long prefill or decode is never
-  stolen. An entry delivered more than ``MAX_DELIVERIES`` times is a poison
-  message: it ends with an error event and is acknowledged.
+- Pending entries are reclaimed (``XCLAIM``) only from a consumer that is gone: not
+  in the registry's live set (its heartbeat expired), after a short grace of
+  ``RECLAIM_MIN_IDLE_MS``; or when their lease expired (idle ``LEASE_MS`` although
+  the holder still beats). Live workers call ``keep_alive`` on what they hold (at
+  most every ``KEEPALIVE_INTERVAL_MS``) so a long prefill or decode is never stolen.
+  A slow worker is not a dead one: its entries stay, so a delivery count counts
+  real failures only. An entry delivered more than ``MAX_DELIVERIES`` times is a
+  poison message: it ends with an error event and is acknowledged.
 - Re-running a reclaimed request republishes indexes already sent; readers keep
   the first event of each index (``TokenEvent.index``). The router always sets a
   ``seed``, so a re-run samples the same tokens; ``published_tokens`` lets a
@@ -42,7 +45,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -62,7 +65,12 @@ GROUPS: Mapping[Pool, str] = {Pool.PREFILL: PREFILL_GROUP, Pool.DECODE: DECODE_G
 MAX_STREAM_LEN = 100_000  # approximate cap of the prefill and decode streams (a guard)
 TOKEN_STREAM_TTL_S = 600  # a per-request token stream outlives its last publish by this
 CANCEL_TTL_S = 3_600  # how long a cancellation mark stays
-RECLAIM_MIN_IDLE_MS = 15_000  # a pending entry idle this long belongs to a dead consumer
+# A consumer missing from the live set (registry) loses its entries once they have been
+# idle this long: a grace for a worker that read an entry before its first beat landed.
+RECLAIM_MIN_IDLE_MS = 3_000
+# An entry of a consumer that still beats is taken only when idle this long: its holder's
+# loop is wedged (a slow engine step touches its entries between steps, far sooner).
+LEASE_MS = 120_000
 KEEPALIVE_INTERVAL_MS = 3_000  # live consumers touch what they hold at least this often
 MAX_DELIVERIES = 3  # deliveries before an entry is declared poison
 
@@ -518,6 +526,11 @@ def _depth(reply: Sequence[int]) -> QueueDepth:
     return QueueDepth(waiting=max(0, length - pending), in_service=min(pending, length))
 
 
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _tokens_reply(reply: Any, last_id: str) -> tuple[str, list[TokenEvent]]:
     events = []
     for entry_id, fields in _entries(reply):
@@ -741,40 +754,65 @@ class Streams:
         pool: Pool,
         consumer: str,
         *,
+        live: Collection[str],
+        held: Collection[str] = (),
         min_idle_ms: int = RECLAIM_MIN_IDLE_MS,
+        lease_ms: int = LEASE_MS,
         count: int = 16,
         max_deliveries: int = MAX_DELIVERIES,
     ) -> list[Delivery[Any]]:
-        """Take over entries idle for ``min_idle_ms`` (their consumer died), via XAUTOCLAIM.
+        """Take over the entries of consumers that are gone, with ``XCLAIM``.
+
+        A consumer is gone when it is not in ``live`` (the registry's live set: its
+        heartbeat expired, or it deregistered); its entries are taken once idle for
+        ``min_idle_ms`` (a grace for a worker that read before its first beat landed).
+        An entry of a live consumer is taken only when its lease expired: idle for
+        ``lease_ms`` although its holder keeps beating (a wedged loop). A live but slow
+        worker keeps its work, so a delivery count counts real failures only. The
+        caller's own pending entries outside ``held`` (what it serves now) count as
+        gone: a previous process under the same id left them.
 
         Returns at most ``count`` deliveries with their delivery counts. Entries
         delivered more than ``max_deliveries`` times end with an error event and are
         acknowledged; entries deleted meanwhile (cancelled) are dropped by Redis.
         """
+        if count < 1:
+            return []
         stream, group = self.keys.stream(pool), GROUPS[pool]
         try:
-            reply = self.client.xautoclaim(
-                stream, group, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
-            )
+            summary: Any = self.client.xpending(stream, group)
         except redis.ResponseError as exc:
             if _is_nogroup(exc):
                 return []
             raise
-        entries = [(_text(eid), dict(f or {})) for eid, f in reply[1]]
-        if not entries:
+        if not summary["pending"]:
             return []
-        pending: Any = self.client.xpending_range(
-            stream,
-            group,
-            min=entries[0][0],
-            max=entries[-1][0],
-            count=len(entries) + 1024,
-            consumername=consumer,
-        )
-        counts = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        owners = [_text(c["name"]) for c in summary["consumers"]]
+        candidates: dict[str, tuple[int, int]] = {}  # entry id -> (min idle, deliveries)
+        for owner in owners:
+            if owner in live and owner != consumer:
+                continue
+            for p in self._pending(stream, group, min_idle_ms, count + len(held), owner):
+                entry_id = _text(p["message_id"])
+                if owner == consumer and entry_id in held:
+                    continue
+                candidates[entry_id] = (min_idle_ms, int(p["times_delivered"]))
+        if len(candidates) < count:
+            for p in self._pending(stream, group, lease_ms, count + len(held), None):
+                entry_id = _text(p["message_id"])
+                if entry_id not in held:
+                    candidates.setdefault(entry_id, (lease_ms, int(p["times_delivered"])))
+        claimed: list[Entry] = []
+        for idle_ms in sorted({idle for idle, _ in candidates.values()}):
+            ids = [e for e, (i, _) in candidates.items() if i == idle_ms][: count - len(claimed)]
+            if not ids:
+                continue
+            # min_idle_time again: of two reclaimers, only the first gets each entry.
+            reply: Any = self.client.xclaim(stream, group, consumer, idle_ms, ids)
+            claimed += [(_text(eid), dict(f or {})) for eid, f in reply if f]
         out: list[Delivery[Any]] = []
-        for entry_id, fields in entries:
-            n = counts.get(entry_id, 1)
+        for entry_id, fields in sorted(claimed, key=lambda e: _entry_order(e[0])):
+            n = candidates[entry_id][1] + 1  # XCLAIM counted this delivery
             if n > max_deliveries:
                 self._drop(
                     pool,
@@ -786,6 +824,24 @@ class Streams:
             for eid, msg in self._decode_entries(pool, [(entry_id, fields)]):
                 out.append(Delivery(eid, msg, n))
         return out
+
+    def _pending(
+        self, stream: str, group: str, idle_ms: int, count: int, owner: str | None
+    ) -> list[Any]:
+        pending: Any = self.client.xpending_range(
+            stream, group, min="-", max="+", count=count, consumername=owner, idle=idle_ms
+        )
+        return list(pending)
+
+    def pending_consumers(self, pool: Pool) -> dict[str, int]:
+        """Entries pending per consumer of ``pool``'s group (empty without a group)."""
+        try:
+            summary: Any = self.client.xpending(self.keys.stream(pool), GROUPS[pool])
+        except redis.ResponseError as exc:
+            if _is_nogroup(exc):
+                return {}
+            raise
+        return {_text(c["name"]): int(c["pending"]) for c in summary["consumers"]}
 
     def publish_token(self, request_id: str, event: TokenEvent) -> None:
         self.publish_tokens([(request_id, event)])

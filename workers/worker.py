@@ -9,11 +9,15 @@ hand off) until it has drained:
   finishes everything it holds, deregisters and returns 0.
 - Redis going away is retryable: the loop backs off (capped) and carries on when
   Redis answers again; the engine keeps its state meanwhile. Entries it held are
-  reclaimed by other workers if the outage outlasts ``RECLAIM_MIN_IDLE_MS``; the
+  reclaimed by other workers if its heartbeat expires meanwhile; the
   keep-alive then reports them lost and the worker drops that work.
 - Every entry it holds is kept alive (``Streams.keep_alive``) so a long prefill or
   decode is never stolen, and every ``reclaim_interval_s`` it takes over entries a
-  dead worker of its pool left pending (``Streams.reclaim_stale``).
+  dead worker of its pool left pending (``Streams.reclaim_stale``): a worker is dead
+  when its heartbeat (a thread of its own, beating however slow the engine is) has
+  expired from the registry, never because one of its entries has waited long. It
+  also takes back entries pending under its own id that it does not hold: a previous
+  process's under the same id, or work it let go of when Redis failed mid-hand-off.
 
 What must stay true: an entry is acknowledged only when its request has ended
 (a final or error event published) or was handed off, so a worker killed at any
@@ -36,6 +40,7 @@ import redis
 from queueing.pools import Pool
 from workers.protocol import (
     KEEPALIVE_INTERVAL_MS,
+    LEASE_MS,
     RECLAIM_MIN_IDLE_MS,
     KeySpace,
     Streams,
@@ -68,6 +73,9 @@ class WorkerSettings:
     (a prefill worker's prompts in flight; a decode worker's batch). ``idle_block_ms``:
     how long an idle worker blocks on its stream (it wakes at once when work lands).
     ``kv_receive_timeout_s``: how long a decode worker waits for a hand-off's KV.
+    ``reclaim_min_idle_ms``: the grace before the entries of a worker gone from the
+    registry are taken; ``lease_ms``: how long an entry of a worker that still beats
+    may go untouched before it is taken anyway (a wedged loop).
     """
 
     worker_id: str
@@ -80,6 +88,7 @@ class WorkerSettings:
     idle_block_ms: int = 200
     reclaim_interval_s: float = 2.0
     reclaim_min_idle_ms: int = RECLAIM_MIN_IDLE_MS
+    lease_ms: int = LEASE_MS
     keepalive_interval_s: float = KEEPALIVE_INTERVAL_MS / 3000.0
     kv_ttl_s: float = 120.0
     kv_receive_timeout_s: float = 10.0
@@ -89,7 +98,15 @@ class WorkerSettings:
         check_request_id(self.worker_id)
         if not isinstance(self.pool, Pool):
             raise ValueError(f"pool: expected a Pool, got {self.pool!r}")
-        for name in ("token_budget", "num_blocks", "block_size", "max_running", "idle_block_ms"):
+        for name in (
+            "token_budget",
+            "num_blocks",
+            "block_size",
+            "max_running",
+            "idle_block_ms",
+            "reclaim_min_idle_ms",
+            "lease_ms",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
@@ -103,10 +120,10 @@ class WorkerSettings:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: expected seconds > 0, got {value!r}")
-        if self.keepalive_interval_s * 1000 >= self.reclaim_min_idle_ms:
+        if self.keepalive_interval_s * 1000 >= self.lease_ms:
             raise ValueError(
                 f"keepalive_interval_s: {self.keepalive_interval_s} s must be well below "
-                f"reclaim_min_idle_ms ({self.reclaim_min_idle_ms} ms), or live work is stolen"
+                f"lease_ms ({self.lease_ms} ms), or live work is stolen"
             )
         KeySpace(self.key_prefix)  # validates
 
@@ -264,11 +281,16 @@ class Worker(ABC):
                     self.drop_lost(lost)
         if not self.draining and now - self._last_reclaim >= self.settings.reclaim_interval_s:
             self._last_reclaim = now
-            for delivery in self.streams.reclaim_stale(
+            deliveries = self.streams.reclaim_stale(
                 self.settings.pool,
                 self.settings.worker_id,
+                live={w.worker_id for w in self._registry.live(self.settings.pool)},
+                held=set(self.held_entry_ids()),
                 min_idle_ms=self.settings.reclaim_min_idle_ms,
-            ):
+                lease_ms=self.settings.lease_ms,
+                count=self.reclaim_room(),
+            )
+            for delivery in deliveries:
                 logger.info(
                     "took over entry %s (delivery %d)", delivery.entry_id, delivery.deliveries
                 )
@@ -277,6 +299,11 @@ class Worker(ABC):
     @abstractmethod
     def admit_reclaimed(self, delivery: object) -> None:
         """Serve an entry taken over from a dead worker."""
+
+    def reclaim_room(self) -> int:
+        """Entries it may take over now: one it cannot serve would wait under its
+        name, unseen by the others, with a delivery spent."""
+        return 16
 
     def publish_gauges(self) -> None:
         self.metrics.queue_depth.set(self.queue_depth())

@@ -246,18 +246,47 @@ def test_a_hand_off_moves_the_request_to_decode_and_acks_it_atomically(
     assert streams.queue_depth(Pool.DECODE).total == 0
 
 
-def test_a_dead_consumers_request_is_reclaimed_after_the_idle_time(
+def test_a_dead_consumers_request_is_reclaimed_after_the_grace(
     streams: Streams,
 ) -> None:
     streams.enqueue_prefill(request())
     [d] = streams.read_prefill("dead")
-    assert streams.reclaim_stale(Pool.PREFILL, "alive", min_idle_ms=200) == []  # not yet
+    live = {"alive"}  # "dead" is missing from the registry's live set
+    assert streams.reclaim_stale(Pool.PREFILL, "alive", live=live, min_idle_ms=200) == []
     time.sleep(0.25)
-    [again] = streams.reclaim_stale(Pool.PREFILL, "alive", min_idle_ms=200)
+    [again] = streams.reclaim_stale(Pool.PREFILL, "alive", live=live, min_idle_ms=200)
     assert (again.entry_id, again.message, again.deliveries) == (d.entry_id, d.message, 2)
     # The dead consumer, were it only slow, learns that it lost the request.
     assert streams.keep_alive(Pool.PREFILL, "dead", [d.entry_id]) == {d.entry_id}
     assert streams.keep_alive(Pool.PREFILL, "alive", [d.entry_id]) == set()
+
+
+def test_a_slow_but_live_consumer_keeps_its_entries_however_long_they_wait(
+    streams: Streams,
+) -> None:
+    streams.enqueue_prefill(request())
+    [d] = streams.read_prefill("slow")
+    time.sleep(0.2)  # far past the grace, no keep-alive: only the heartbeat says it lives
+    live = {"slow", "thief"}
+    assert streams.reclaim_stale(Pool.PREFILL, "thief", live=live, min_idle_ms=50) == []
+    assert streams.pending_consumers(Pool.PREFILL) == {"slow": 1}
+    # ... until its lease expires: a loop that never touches its work is wedged.
+    [taken] = streams.reclaim_stale(Pool.PREFILL, "thief", live=live, min_idle_ms=50, lease_ms=150)
+    assert (taken.entry_id, taken.deliveries) == (d.entry_id, 2)
+
+
+def test_entries_left_under_the_callers_own_id_are_taken_back_but_not_those_it_holds(
+    streams: Streams,
+) -> None:
+    streams.enqueue_prefill(request("a"))
+    streams.enqueue_prefill(request("b"))
+    [a, b] = streams.read_prefill("w-0", count=2)
+    time.sleep(0.06)
+    # A restart under the same id: it holds "b" again already, "a" was left behind.
+    [back] = streams.reclaim_stale(
+        Pool.PREFILL, "w-0", live={"w-0"}, held={b.entry_id}, min_idle_ms=50
+    )
+    assert back.entry_id == a.entry_id
 
 
 def test_keep_alive_protects_a_long_running_request_from_reclaim(streams: Streams) -> None:
@@ -266,7 +295,12 @@ def test_keep_alive_protects_a_long_running_request_from_reclaim(streams: Stream
     for _ in range(3):
         time.sleep(0.1)
         assert streams.keep_alive(Pool.PREFILL, "slow", [d.entry_id]) == set()
-        assert streams.reclaim_stale(Pool.PREFILL, "thief", min_idle_ms=150) == []
+        assert (
+            streams.reclaim_stale(
+                Pool.PREFILL, "thief", live={"slow", "thief"}, min_idle_ms=50, lease_ms=150
+            )
+            == []
+        )
 
 
 def test_a_poison_request_ends_with_an_error_event_after_max_deliveries(
@@ -274,14 +308,17 @@ def test_a_poison_request_ends_with_an_error_event_after_max_deliveries(
 ) -> None:
     streams.enqueue_prefill(request("poison"))
     streams.read_prefill("w-0")
-    for i in range(1, 3):  # delivered 2 and 3 times: still served
+    for i in range(1, 3):  # delivered 2 and 3 times: still served (w-{i-1} died each time)
         time.sleep(0.06)
-        assert (
-            len(streams.reclaim_stale(Pool.PREFILL, f"w-{i}", min_idle_ms=50, max_deliveries=3))
-            == 1
+        taken = streams.reclaim_stale(
+            Pool.PREFILL, f"w-{i}", live={f"w-{i}"}, min_idle_ms=50, max_deliveries=3
         )
+        assert len(taken) == 1
     time.sleep(0.06)
-    assert streams.reclaim_stale(Pool.PREFILL, "w-3", min_idle_ms=50, max_deliveries=3) == []
+    assert (
+        streams.reclaim_stale(Pool.PREFILL, "w-3", live={"w-3"}, min_idle_ms=50, max_deliveries=3)
+        == []
+    )
     _, [event] = streams.read_tokens("poison")
     assert event.finish_reason is FinishReason.ERROR
     assert "failed on 3 prefill workers" in (event.error or "")
