@@ -34,6 +34,7 @@ from typing import Any
 from cli import common
 from cli.common import UsageError
 from cli.runtime import DEFAULT_MODEL_CACHE, python_cli, resolve_model, run_with_api
+from cli.worker_cmd import DEFAULT_KV_SCALE, require_torch
 from controller.closing import close_if_closable
 from controller.config import ConfigError, ControllerConfig
 from controller.loop import ControlLoop
@@ -47,8 +48,17 @@ CONFIG_FILE = "config.json"
 STARTUP_TIMEOUT_S = 60.0
 
 
-def worker_command(pool: Pool, *, redis_url: str, model_dir: Path, args: Any) -> list[str]:
-    """The local actuator's argv template of one pool's worker (``{port}``, ``{index}``)."""
+def worker_command(
+    pool: Pool, *, redis_url: str, model_dir: Path, args: Any, profile: str | None = None
+) -> list[str]:
+    """The local actuator's argv template of one pool's worker (``{port}``, ``{index}``);
+    with ``--engine emulated``, ``profile`` times the workers' steps."""
+    engine: list[str] = []
+    if args.engine == "emulated":
+        assert profile is not None
+        engine = ["--engine", "emulated", "--profile", profile, "--kv-scale", str(args.kv_scale)]
+        if args.startup_s is not None:
+            engine += ["--startup-s", str(args.startup_s)]
     return python_cli(
         "worker",
         pool.value,
@@ -62,12 +72,12 @@ def worker_command(pool: Pool, *, redis_url: str, model_dir: Path, args: Any) ->
         f"{pool.value}-{{index}}-{int(time.time())}",
         "--token-budget",
         str(args.token_budget),
-        "--num-blocks",
-        str(args.num_blocks),
         "--max-running",
         str(args.max_running),
         "--kv-transport",
         args.kv_transport,
+        *engine,
+        *([] if args.num_blocks is None else ["--num-blocks", str(args.num_blocks)]),
     )
 
 
@@ -159,6 +169,23 @@ def _store(args: argparse.Namespace, state_dir: Path) -> FileConfigStore:
     return store
 
 
+def _emulated_model(profile_spec: str, state_dir: Path) -> Path:
+    """A weightless model folder for ``--engine emulated``: the ``config.json`` the
+    router and the workers read (vocabulary, context), named after the profile."""
+    from controller.profiles import load_profile
+    from queueing.profile import ProfileError
+    from workers.emulated import model_card
+
+    try:
+        profile = load_profile(profile_spec)
+    except (OSError, ProfileError) as exc:
+        raise UsageError(f"--profile: {exc}") from exc
+    folder = (state_dir / f"emulated-{profile.name.replace('@', '-')}").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model_card(profile), indent=1) + "\n")
+    return folder
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from controller.actuators.local import LocalProcessActuator, http_readiness
     from controller.api import load_api_token
@@ -174,7 +201,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         token = load_api_token(file=args.api_token_file)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--api-token-file: {exc}") from exc
-    model_dir = resolve_model(args.model, Path(args.model_cache)).resolve()
+    if args.engine == "emulated":
+        model_dir = _emulated_model(config.profile, state_dir)
+    else:
+        require_torch()
+        model_dir = resolve_model(args.model, Path(args.model_cache)).resolve()
     log_dir = state_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     with _redis(args.redis) as redis_url, _router(
@@ -182,7 +213,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ) as router_url:
         actuator = LocalProcessActuator(
             {
-                pool: worker_command(pool, redis_url=redis_url, model_dir=model_dir, args=args)
+                pool: worker_command(
+                    pool,
+                    redis_url=redis_url,
+                    model_dir=model_dir,
+                    args=args,
+                    profile=config.profile,
+                )
                 for pool in Pool
             },
             ports={Pool.PREFILL: args.prefill_port, Pool.DECODE: args.decode_port},
@@ -235,13 +272,30 @@ def register(sub: Any) -> None:
     p.add_argument("--prefill-port", type=int, default=9400, help="first prefill metrics port")
     p.add_argument("--decode-port", type=int, default=9500, help="first decode metrics port")
     p.add_argument("--token-budget", type=int, default=512, help="workers: tokens per step")
-    p.add_argument("--num-blocks", type=int, default=1024, help="workers: KV blocks")
+    p.add_argument(
+        "--num-blocks", type=int, help="workers: KV blocks (default 1024; emulated: the profile's)"
+    )
     p.add_argument("--max-running", type=int, default=64, help="workers: sequences per batch")
     p.add_argument(
         "--kv-transport",
         choices=("redis", "torch"),
         default="redis",
         help="workers: KV through Redis or a torch.distributed link (gloo on CPU)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("torch", "emulated"),
+        default="torch",
+        help="workers: run --model, or emulate an accelerator timed by the config's profile",
+    )
+    p.add_argument(
+        "--kv-scale",
+        type=float,
+        default=DEFAULT_KV_SCALE,
+        help="emulated: KV bytes handed off per profile byte",
+    )
+    p.add_argument(
+        "--startup-s", type=float, help="emulated: worker startup (default: the profile's)"
     )
     p.add_argument("--grace-period-s", type=float, default=60.0, help="drain time before SIGKILL")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="router timeout")

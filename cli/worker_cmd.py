@@ -61,6 +61,7 @@ def require_torch() -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    profile = _emulated_profile(args) if args.engine == "emulated" else None
     require_torch()
     import torch
 
@@ -83,7 +84,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
         tune_cpu_allocator()
     host, port = common.parse_listen("--metrics-listen", args.metrics_listen, any_port=True)
     worker_id = args.worker_id or f"{pool.value}-{socket.gethostname()}-{os.getpid()}"
-    profile = _emulated_profile(args) if args.engine == "emulated" else None
     num_blocks = args.num_blocks
     if num_blocks is None:  # the emulated cache is the profile's: what the model assumes
         num_blocks = 1024 if profile is None else profile.kv_capacity_tokens // args.block_size
