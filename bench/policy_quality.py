@@ -50,6 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from queueing.catalog import resolve_profile
+from queueing.lengths import LengthSamples
 from queueing.solver import KvLink, SloTargets
 from sim.backtest import BacktestResult, run_backtest
 from sim.policies import (
@@ -65,10 +66,11 @@ from sim.policies import (
 )
 from sim.trace import Trace
 from sim.trace_io import load_lengths, load_trace
-from sim.workload import diurnal_arrivals, synthesize
+from sim.workload import diurnal_arrivals, gamma_arrivals, poisson_arrivals, synthesize
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "data/traces"
+ARXIV = TRACES / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
 BUDGET_S = 180.0
 SLO = SloTargets(ttft_p99_s=2.0, tpot_p99_s=0.1)
 LINK = KvLink(bytes_per_s=400e9 / 8)
@@ -81,8 +83,45 @@ class Workload:
     scenario: Scenario
 
 
-def _scenario(profile: str) -> Scenario:
-    return Scenario(profile=resolve_profile(profile), slo=SLO, link=LINK)
+def _scenario(profile: str, slo: SloTargets = SLO) -> Scenario:
+    return Scenario(profile=resolve_profile(profile), slo=slo, link=LINK)
+
+
+def _time_changed(
+    rate_rps: Callable[[np.ndarray], np.ndarray],
+    *,
+    duration_s: float,
+    ca2: float,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """Arrivals whose rate follows ``rate_rps(t)`` (> 0), by the time change of
+    ``sim.workload.diurnal_arrivals``: a stationary Gamma renewal process of rate 1 and
+    gap SCV ``ca2`` in operational time, mapped through the inverse cumulative rate
+    (here tabulated on a 1-s grid and interpolated)."""
+    grid = np.arange(0.0, duration_s + 1.0, 1.0)
+    mid = rate_rps(grid[:-1] + 0.5)
+    cumulative = np.concatenate([[0.0], np.cumsum(mid)])
+    operational = gamma_arrivals(rate_rps=1.0, ca2=ca2, duration_s=float(cumulative[-1]), rng=rng)
+    times = np.interp(operational, cumulative, grid)
+    return np.sort(times[times < duration_s])
+
+
+def _long_context_lengths(rng: np.random.Generator, count: int) -> LengthSamples:
+    """Long-context requests built from the arXiv summarisation lengths: each prompt
+    is k documents of that file put together (a multi-document context), k from 1 to
+    32 with P(k) proportional to 1/k^2 (a heavy tail: most prompts hold one or two
+    documents, about 1 in 50 holds 16 or more, the longest about 128k tokens); the
+    output is the last document's summary."""
+    docs = load_lengths(ARXIV)
+    k_values = np.arange(1, 33)
+    weights = 1.0 / k_values.astype(np.float64) ** 2
+    ks = rng.choice(k_values, size=count, p=weights / weights.sum())
+    rows = rng.integers(0, len(docs), size=(count, 32))
+    prompt = np.array(
+        [int(docs.prompt_tokens[rows[i, :k]].sum()) for i, k in enumerate(ks)], dtype=np.int64
+    )
+    output = docs.output_tokens[rows[np.arange(count), ks - 1]].astype(np.int64)
+    return LengthSamples(prompt_tokens=prompt, output_tokens=output, source="arXiv x k documents")
 
 
 @functools.cache
@@ -113,10 +152,81 @@ def workload(name: str) -> Workload:
             source="ShareGPT lengths, diurnal (2 x 20-min days, peak/trough 4), Gamma SCV 4",
         )
         return Workload(name, trace, _scenario("llama-2-70b-tp4@h100-sxm"))
+    if name == "long":
+        rng = np.random.default_rng(11)
+        arrivals = gamma_arrivals(rate_rps=3.0, ca2=9.0, duration_s=1800.0, rng=rng)
+        trace = synthesize(
+            arrival_s=arrivals,
+            lengths=_long_context_lengths(rng, 20_000),
+            rng=rng,
+            source="arXiv documents x k (1-32, P ~ 1/k^2), 3 req/s, Gamma SCV 9, 30 min",
+        )
+        slo = SloTargets(ttft_p99_s=30.0, tpot_p99_s=0.1)
+        return Workload(name, trace, _scenario("llama-2-70b-tp4@h100-sxm", slo))
+    if name == "step":
+        rng = np.random.default_rng(13)
+        lengths = load_lengths(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+        arrivals = np.concatenate(
+            [
+                poisson_arrivals(rate_rps=12.0, duration_s=600.0, rng=rng),
+                600.0 + poisson_arrivals(rate_rps=36.0, duration_s=600.0, rng=rng),
+            ]
+        )
+        trace = synthesize(
+            arrival_s=arrivals,
+            lengths=lengths,
+            rng=rng,
+            source="ShareGPT lengths, Poisson 12 req/s, a 3x step to 36 req/s at 600 s",
+        )
+        slo = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.05)
+        return Workload(name, trace, _scenario("llama-3-8b@h100-sxm", slo))
+    if name == "onoff":
+        rng = np.random.default_rng(17)
+        conv = load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv")
+        lengths = LengthSamples(
+            prompt_tokens=conv.prompt_tokens.astype(np.int64),
+            output_tokens=conv.output_tokens.astype(np.int64),
+            source="Azure conversation lengths",
+        )
+        # Silent minutes (2-6 min, uniform) then a Poisson burst of 60-150 s at 25 req/s.
+        parts, t = [], 0.0
+        while t < 2400.0:
+            t += rng.uniform(120.0, 360.0)
+            on_s = rng.uniform(60.0, 150.0)
+            parts.append(t + poisson_arrivals(rate_rps=25.0, duration_s=on_s, rng=rng))
+            t += on_s
+        trace = synthesize(
+            arrival_s=np.concatenate(parts),
+            lengths=lengths,
+            rng=rng,
+            source="Azure conversation lengths, 60-150-s bursts at 25 req/s after 2-6 silent min",
+        )
+        slo = SloTargets(ttft_p99_s=1.5, tpot_p99_s=0.08)
+        return Workload(name, trace, _scenario("mistral-7b@a100-80g", slo))
+    if name == "weekly":
+        rng = np.random.default_rng(19)
+        lengths = load_lengths(ARXIV)
+        day_s = 480.0
+
+        def rate(t: np.ndarray) -> np.ndarray:
+            # A daily sinusoid (peak/trough 3, trough at midnight) scaled by the day of
+            # the week: five working days, then a weekend at half the level.
+            daily = 1.0 - 0.5 * np.cos(2.0 * np.pi * t / day_s)
+            weekend = (t // day_s) % 7 >= 5
+            return 6.0 * daily * np.where(weekend, 0.5, 1.0)
+
+        trace = synthesize(
+            arrival_s=_time_changed(rate, duration_s=7 * day_s, ca2=2.0, rng=rng),
+            lengths=lengths,
+            rng=rng,
+            source="arXiv lengths, a week of 8-min days (peak/trough 3, weekend 0.5), SCV 2",
+        )
+        slo = SloTargets(ttft_p99_s=1.5, tpot_p99_s=0.08)
+        return Workload(name, trace, _scenario("llama-3-8b@a100-80g", slo))
     raise ValueError(f"workload: unknown {name!r}")
 
 
-WORKLOADS = ("conv", "code", "diurnal")
+WORKLOADS = ("conv", "code", "diurnal", "long", "step", "onoff", "weekly")
 
 
 # -- sensitivity variants (policies configured differently from their defaults) ----------

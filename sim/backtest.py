@@ -23,14 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from queueing.pools import Pool
-from sim.cluster import Cluster
-from sim.policies import Allocation, BacktestPolicy, ClusterView, Scenario, make_policy
+from sim.policies import Allocation, BacktestPolicy, Scenario, make_policy
+from sim.policies.base import replay
 from sim.results import SimResults, SimSummary
 from sim.trace import FloatArray, Trace
 
 DEFAULT_SERIES_WINDOW_S = 60.0
-POOLS = (Pool.PREFILL, Pool.DECODE)
 
 Progress = Callable[[float], None]
 
@@ -129,41 +127,12 @@ def run_backtest(
     """Replay ``trace`` under ``policy``; ``progress`` gets the fraction of simulated
     time done (0..1) after every tick. Raises ``ValueError`` for an empty trace, a
     non-positive tick interval or series window."""
-    if len(trace) == 0:
-        raise ValueError("trace: has no requests")
-    if not (math.isfinite(policy.interval_s) and policy.interval_s > 0):
-        raise ValueError(f"interval_s: policy {policy.name} ticks every {policy.interval_s!r} s")
     if not (math.isfinite(series_window_s) and series_window_s > 0):
         raise ValueError(f"series_window_s: must be a finite number > 0, got {series_window_s!r}")
     started = time.perf_counter()
-    initial = policy.initial
-    cluster = Cluster(scenario.cluster_config(initial), trace)
-    view = ClusterView(cluster)
-    end_s = float(trace.arrival_s[-1])
-    sizes = {Pool.PREFILL: initial.prefill, Pool.DECODE: initial.decode}
-    timeline = [(0.0, initial.prefill, initial.decode)]
-    events = {pool.value: 0 for pool in POOLS}
-    k = 1
-    while (now_s := k * policy.interval_s) <= end_s:
-        cluster.run_until(now_s)
-        wanted = policy.tick(view)
-        if wanted is not None:
-            changed = False
-            for pool in POOLS:
-                target = scenario.clamp(wanted.of(pool))
-                if target != sizes[pool]:
-                    cluster.set_pool_size(pool, target, now_s)
-                    sizes[pool] = target
-                    events[pool.value] += 1
-                    changed = True
-            if changed:
-                timeline.append((now_s, sizes[Pool.PREFILL], sizes[Pool.DECODE]))
-        if progress is not None:
-            progress(now_s / end_s if end_s > 0 else 1.0)
-        k += 1
-    results = cluster.finish()
-    if progress is not None:
-        progress(1.0)
+    run = replay(trace, policy, scenario, progress=progress)
+    results, end_s = run.results, run.end_s
+    timeline = list(run.timeline)
     summary = results.summary(
         ttft_slo_s=scenario.slo.ttft_p99_s, tpot_slo_s=scenario.slo.tpot_p99_s
     )
@@ -179,9 +148,9 @@ def run_backtest(
     return BacktestResult(
         policy=policy.name,
         summary=summary,
-        scale_events=events,
+        scale_events=run.scale_events,
         duration_s=end_s,
-        initial=initial,
+        initial=policy.initial,
         timeline=tuple(timeline),
         series=series,
         wall_s=time.perf_counter() - started,

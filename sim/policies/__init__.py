@@ -9,7 +9,8 @@
   (``sim.policies.threshold``);
 - ``throughput`` / ``throughput-trend``: a Dynamo-style SLA planner with the
   constant / trend load predictor (``sim.policies.throughput``);
-- ``oracle``: clairvoyant per window, confirmed by simulation
+- ``oracle``: clairvoyant, the cheapest plan a replay of the whole run confirms
+  meets the SLO target
   (``sim.policies.oracle``).
 """
 
@@ -26,7 +27,7 @@ from sim.policies.base import (
     warm_start,
     window_allocation,
 )
-from sim.policies.oracle import OraclePolicy, OracleWindow, plan_oracle
+from sim.policies.oracle import OraclePlan, OraclePolicy, OracleWindow, plan_oracle
 from sim.policies.sara import SaraPolicy, forecasting
 from sim.policies.static import StaticPolicy, static_mean, static_peak
 from sim.policies.threshold import HpaBehaviour, ThresholdPolicy, ThresholdTargets
@@ -39,6 +40,7 @@ __all__ = [
     "BacktestPolicy",
     "ClusterView",
     "HpaBehaviour",
+    "OraclePlan",
     "OraclePolicy",
     "OracleWindow",
     "Predictor",
@@ -52,6 +54,8 @@ __all__ = [
     "make_policy",
     "plan_oracle",
     "solver_allocation",
+    "static_mean",
+    "static_peak",
     "warm_start",
     "window_allocation",
 ]
@@ -90,7 +94,7 @@ def make_policy(
     if name == "static-mean":
         return static_mean(trace, scenario)
     if name == "oracle":
-        return OraclePolicy(scenario, plan_oracle(trace, scenario, progress=progress))
+        return OraclePolicy(scenario, plan_oracle(trace, scenario, progress=progress).windows)
     start = initial or warm_start(trace, scenario)
     if name == "sara":
         return SaraPolicy(scenario, start)

@@ -13,10 +13,12 @@ drains the same way.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import NDArray
 
 from controller.config import ControllerConfig, PoolLimits, SloConfig
 from queueing.budget import token_budget
@@ -25,6 +27,7 @@ from queueing.pools import Pool
 from queueing.profile import IterationProfile
 from queueing.solver import CapacityModel, InfeasibleSLOError, KvLink, SloTargets, solve
 from sim.cluster import Cluster, ClusterConfig, ClusterSnapshot
+from sim.results import SimResults
 from sim.trace import FloatArray, Trace
 
 # A controller that has seen fewer requests than this falls back to the whole
@@ -238,3 +241,77 @@ def warm_start(trace: Trace, scenario: Scenario) -> Allocation:
     wins or loses by its starting point."""
     end_s = min(WARM_START_WINDOW_S, max(trace.duration_s, 1.0))
     return window_allocation(trace, scenario, start_s=0.0, end_s=end_s)
+
+
+# -- the run itself: one loop for every back-test and for the oracle's confirmation ---
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Replay:
+    """A finished run under a policy: the results, the provisioned sizes from time 0
+    (one entry per change), the scale events per pool and the span it was ticked."""
+
+    results: SimResults
+    timeline: tuple[tuple[float, int, int], ...]
+    scale_events: dict[str, int]
+    end_s: float
+
+
+def replay(
+    trace: Trace,
+    policy: BacktestPolicy,
+    scenario: Scenario,
+    *,
+    progress: Callable[[float], None] | None = None,
+) -> Replay:
+    """Start the cluster at the policy's initial allocation, tick it every
+    ``interval_s`` of simulated time up to the last arrival, apply the sizes it asks
+    for through the cluster's scaling hook (clamped to the scenario's limits), then
+    let every request finish. ``progress`` gets the fraction of simulated time done.
+    Raises ``ValueError`` for an empty trace or a non-positive tick interval."""
+    if len(trace) == 0:
+        raise ValueError("trace: has no requests")
+    if not (math.isfinite(policy.interval_s) and policy.interval_s > 0):
+        raise ValueError(f"interval_s: policy {policy.name} ticks every {policy.interval_s!r} s")
+    initial = policy.initial
+    cluster = Cluster(scenario.cluster_config(initial), trace)
+    view = ClusterView(cluster)
+    end_s = float(trace.arrival_s[-1])
+    sizes = {Pool.PREFILL: initial.prefill, Pool.DECODE: initial.decode}
+    timeline = [(0.0, initial.prefill, initial.decode)]
+    events = {pool.value: 0 for pool in (Pool.PREFILL, Pool.DECODE)}
+    k = 1
+    while (now_s := k * policy.interval_s) <= end_s:
+        cluster.run_until(now_s)
+        wanted = policy.tick(view)
+        if wanted is not None:
+            changed = False
+            for pool in (Pool.PREFILL, Pool.DECODE):
+                target = scenario.clamp(wanted.of(pool))
+                if target != sizes[pool]:
+                    cluster.set_pool_size(pool, target, now_s)
+                    sizes[pool] = target
+                    events[pool.value] += 1
+                    changed = True
+            if changed:
+                timeline.append((now_s, sizes[Pool.PREFILL], sizes[Pool.DECODE]))
+        if progress is not None:
+            progress(now_s / end_s if end_s > 0 else 1.0)
+        k += 1
+    results = cluster.finish()
+    if progress is not None:
+        progress(1.0)
+    return Replay(results=results, timeline=tuple(timeline), scale_events=events, end_s=end_s)
+
+
+def slo_met(results: SimResults, slo: SloTargets) -> NDArray[np.bool_]:
+    """Per request: finished, with its TTFT and (for more than one output token) its
+    TPOT within the SLOs — what ``SimSummary.slo_attainment`` counts."""
+    ttft, tpot = results.ttft_s, results.tpot_s
+    met: NDArray[np.bool_] = (
+        np.isfinite(results.finish_s)
+        & np.isfinite(ttft)
+        & (ttft <= slo.ttft_p99_s)
+        & ((results.output_tokens == 1) | (np.isfinite(tpot) & (tpot <= slo.tpot_p99_s)))
+    )
+    return met

@@ -31,11 +31,19 @@ SCENARIO = Scenario(
 
 @pytest.fixture(scope="module")
 def trace() -> Trace:
-    """Ten minutes of the conversation trace at three times its rate (~8,600 requests)."""
+    """Ten minutes of the conversation trace at three times its rate (~8,000 requests),
+    without those beyond Llama-2's 4,096-token context (rejected whatever the pools)."""
     piece = time_slice(
         load_trace(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv"), start_s=0, end_s=600
     )
-    return scale_rate(piece, 3.0, np.random.default_rng(5))
+    scaled = scale_rate(piece, 3.0, np.random.default_rng(5))
+    keep = scaled.prompt_tokens + scaled.output_tokens <= 4096
+    return Trace(
+        arrival_s=scaled.arrival_s[keep],
+        prompt_tokens=scaled.prompt_tokens[keep],
+        output_tokens=scaled.output_tokens[keep],
+        source=f"{scaled.source} within 4096 tokens",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +96,10 @@ def test_the_oracle_meets_the_slo_at_a_lower_cost_than_static_peak(
     results: dict[str, BacktestResult],
 ) -> None:
     oracle, peak = results["oracle"].summary, results["static-peak"].summary
-    assert oracle.slo_attainment is not None and oracle.slo_attainment >= 0.98
-    assert oracle.gpu_hours <= peak.gpu_hours * 1.0001
+    assert oracle.slo_attainment is not None and oracle.slo_attainment >= 0.99
+    assert peak.slo_attainment is not None
+    if peak.slo_attainment >= 0.99:
+        assert oracle.gpu_hours <= peak.gpu_hours
 
 
 def test_results_serialise_to_strict_json(results: dict[str, BacktestResult]) -> None:
