@@ -11,15 +11,27 @@ Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 
 | status | code | when |
 |---|---|---|
-| 400 | ``invalid_value``, ``context_length_exceeded``, ``unsupported`` | bad request |
-| 404 | ``model_not_found`` | ``model`` names another model |
-| 429 | ``queue_full`` (+ ``Retry-After``) | the prefill stream holds ``max_queued_requests`` |
+| 400 | ``invalid_value``, ``invalid_json``, ``context_length_exceeded``, ``unsupported`` | |
+|     |  | a bad request (``param`` names the field) |
+| 404 | ``model_not_found``, ``not_found`` | ``model`` names another model; no such path |
+| 413 | ``request_too_large`` | the body exceeds ``max_body_bytes`` (checked before it is read) |
+| 429 | ``queue_full`` (+ ``Retry-After``) | the prefill stream holds ``max_queued_requests``, or |
+|     |                                   | this router serves ``max_inflight_requests`` already |
+| 503 | ``no_workers`` (+ ``Retry-After``) | a pool has no ready worker in the registry |
 | 503 | ``redis_unavailable`` (+ ``Retry-After``) | Redis unreachable: at once, no retry loop |
 | 504 | ``request_timeout`` | no complete answer within ``request_timeout_s`` |
 | 500 | ``worker_error``, ``protocol_error`` | a worker failed, or broke the protocol |
 
 A streaming request that fails after its headers went out ends with an error
-event (the same body) and then ``data: [DONE]``. A client that goes away cancels
+event (the same body) and then ``data: [DONE]``; one whose next token is owed by a
+pool that has had no live worker for ``no_worker_grace_s`` ends that way at once
+(503 ``no_workers``) rather than at its timeout.
+
+Admission comes before exhaustion: a router serves at most ``max_inflight_requests``
+at once, below its Redis connection pool (each request in flight holds one
+connection while it waits for tokens), so overload is a 429, and a 503
+``redis_unavailable`` means Redis itself failed. Text prompts are tokenised in a
+worker thread, never on the event loop. A client that goes away cancels
 its request (``AsyncStreams.cancel``: workers skip it).
 
 Every request gets a seed (the client's, or a fresh random one), so a request that
@@ -41,12 +53,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
+import anyio.to_thread
 import redis
 import redis.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from queueing.pools import Pool
 from workers.protocol import (
@@ -68,6 +84,11 @@ Tokenize = Callable[[str], Sequence[int]]
 Detokenize = Callable[[Sequence[int]], str]
 _MAX_SEED = 2**63 - 1
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# Connections of the pool kept for what is not a request in flight: admission's own
+# XADD while it is decided, readiness, /metrics, cleanup.
+_RESERVED_CONNECTIONS = 16
+# What a request body carries besides its prompt (the other fields, JSON syntax).
+_BODY_OVERHEAD_BYTES = 16_384
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +101,14 @@ class RouterConfig:
     being prefilled). ``request_timeout_s``: from arrival to the last token.
     ``poll_block_ms``: one blocking read of a token stream (the timeout is checked
     between reads). ``redis_timeout_s``: any other Redis call.
+    ``max_inflight_requests``: requests this router serves at once (429 beyond); it
+    must leave room in ``max_redis_connections``, which each of them holds while it
+    waits for tokens. ``body_bytes_per_token``: the request-size limit is this many
+    bytes per context token plus 16 KiB (a token id as JSON takes at most 11 bytes,
+    a token's text rarely over 8 characters even \\u-escaped 6 bytes each).
+    ``liveness_refresh_s``: how old the router's view of the live workers may be.
+    ``no_worker_grace_s``: how long a started request waits for a pool with no live
+    worker (one being replaced) before it fails.
     """
 
     redis_url: str
@@ -92,6 +121,10 @@ class RouterConfig:
     redis_timeout_s: float = 2.0
     poll_block_ms: int = 500
     max_redis_connections: int = 512
+    max_inflight_requests: int = 480
+    body_bytes_per_token: int = 32
+    liveness_refresh_s: float = 1.0
+    no_worker_grace_s: float = 2.0
     key_prefix: str = "sara"
     default_max_tokens: int = 16
 
@@ -106,6 +139,8 @@ class RouterConfig:
             ("retry_after_s", 1),
             ("poll_block_ms", 1),
             ("max_redis_connections", 1),
+            ("max_inflight_requests", 1),
+            ("body_bytes_per_token", 1),
             ("default_max_tokens", 1),
         ):
             value = getattr(self, name)
@@ -122,11 +157,25 @@ class RouterConfig:
                 f"max_queued_requests: must stay below {MAX_STREAM_LEN // 2} (the streams are "
                 f"capped at about {MAX_STREAM_LEN}), got {self.max_queued_requests}"
             )
-        for name in ("request_timeout_s", "redis_timeout_s"):
+        if self.max_inflight_requests > self.max_redis_connections - _RESERVED_CONNECTIONS:
+            raise ValueError(
+                f"max_inflight_requests: {self.max_inflight_requests} must leave "
+                f"{_RESERVED_CONNECTIONS} of max_redis_connections ({self.max_redis_connections}) "
+                "free, or overload runs the Redis pool dry before it is refused"
+            )
+        for name in ("request_timeout_s", "redis_timeout_s", "liveness_refresh_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: expected a number of seconds > 0, got {value!r}")
+        grace = self.no_worker_grace_s
+        if not (isinstance(grace, int | float) and math.isfinite(grace) and grace >= 0):
+            raise ValueError(f"no_worker_grace_s: expected seconds >= 0, got {grace!r}")
         KeySpace(self.key_prefix)  # validates
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The request-size limit: the context's worth of tokens, and the other fields."""
+        return _BODY_OVERHEAD_BYTES + self.body_bytes_per_token * self.max_context_tokens
 
 
 # --------------------------------------------------------------------------- the API edge
@@ -137,20 +186,21 @@ class CompletionBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    # Strict types: "0.5" is not a temperature, "yes" not a boolean.
+    model: StrictStr | None = None
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0, le=2)
+    top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
     seed: StrictInt | None = Field(default=None, ge=0, le=_MAX_SEED)
-    stream: bool = False
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens regardless of EOS
+    stream: StrictBool = False
+    ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens regardless of EOS
     n: StrictInt = 1
     best_of: StrictInt | None = None
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: StrictInt | None = None
-    stop: str | list[str] | None = None
-    suffix: str | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    suffix: StrictStr | None = None
 
 
 class ApiError(Exception):
@@ -251,6 +301,13 @@ class _Generation:
     first_at: float | None = None
     last_at: float | None = None
     outcome: Outcome | None = None  # set once the request ended
+    released: bool = False
+
+    def release(self) -> None:
+        """Give back its admission slot (once, however the request ended)."""
+        if not self.released:
+            self.released = True
+            self.router.inflight_requests -= 1
 
     async def pieces(self) -> AsyncIterator[_Token | _End]:
         """Tokens in order, then one ``_End``. Cleans up however it stops."""
@@ -272,6 +329,7 @@ class _Generation:
                         await router.streams.cancel(self.req.request_id, self.entry_id)
                 except redis.RedisError as exc:
                     logger.info("cleanup of %s skipped: %s", self.req.request_id, exc)
+            self.release()
 
     async def _read(self) -> AsyncIterator[_Token | _End]:
         router, config = self.router, self.router.config
@@ -298,6 +356,13 @@ class _Generation:
                 if piece is not None:
                     yield piece
                 if isinstance(piece, _End):
+                    return
+            if not events:
+                # The next token is owed by the prefill pool until the first one came.
+                owed = Pool.PREFILL if not self.tokens else Pool.DECODE
+                missing_s = await router.liveness.without_workers_s(owed)
+                if missing_s is not None and missing_s >= config.no_worker_grace_s:
+                    yield self._fail(Outcome.NO_WORKERS, router.no_workers([owed]))
                     return
 
     def _accept(self, event: TokenEvent) -> _Token | _End | None:
@@ -360,6 +425,59 @@ def _protocol_error(message: str) -> ApiError:
 # --------------------------------------------------------------------------- the router
 
 
+class Liveness:
+    """The router's view of the registry, at most ``liveness_refresh_s`` old.
+
+    One refresh at a time for all requests (a lock), so a thousand waiting streams
+    cost one registry read per interval, not one each. While Redis does not answer
+    nothing is known, and nothing is concluded: the Redis errors speak for themselves.
+    """
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self._lock = anyio.Lock()
+        self._at: float | None = None  # router clock of the last refresh
+        self._ready: dict[Pool, int] = {}
+        self._live: dict[Pool, int] = {}
+        self._empty_since: dict[Pool, float] = {}  # router clock: no live worker since
+
+    async def _refresh(self) -> bool:
+        router = self.router
+        async with self._lock:
+            now = router.clock()
+            if self._at is not None and now - self._at < router.config.liveness_refresh_s:
+                return True
+            try:
+                with anyio.fail_after(router.config.redis_timeout_s):
+                    listed = {pool: await router.registry.live(pool) for pool in Pool}
+            except (redis.RedisError, TimeoutError):
+                self._at = None
+                self._empty_since.clear()
+                return False
+            self._at = now
+            for pool, workers in listed.items():
+                self._ready[pool] = sum(w.ready for w in workers)
+                self._live[pool] = len(workers)
+                if workers:
+                    self._empty_since.pop(pool, None)
+                else:
+                    self._empty_since.setdefault(pool, now)
+            return True
+
+    async def pools_without_ready_workers(self) -> list[Pool]:
+        """Pools no new request can be served by now (empty when unknown)."""
+        if not await self._refresh():
+            return []
+        return [pool for pool in Pool if self._ready.get(pool, 0) == 0]
+
+    async def without_workers_s(self, pool: Pool) -> float | None:
+        """How long ``pool`` has had no live worker at all; ``None`` if it has one."""
+        if not await self._refresh():
+            return None
+        since = self._empty_since.get(pool)
+        return None if since is None else self.router.clock() - since
+
+
 class Router:
     """The request path, independent of the web framework's routing."""
 
@@ -384,6 +502,8 @@ class Router:
         self.keys = KeySpace(config.key_prefix)
         self._client: redis.asyncio.Redis | None = None
         self.created = int(wall_clock())
+        self.inflight_requests = 0  # admitted and not yet released (max_inflight_requests)
+        self.liveness = Liveness(self)
 
     # The client is made inside the serving event loop (lifespan, or first use).
     @property
@@ -419,6 +539,25 @@ class Router:
             headers={"Retry-After": str(self.config.retry_after_s)},
         )
 
+    def no_workers(self, pools: Sequence[Pool]) -> ApiError:
+        names = " or ".join(p.value for p in pools)
+        return ApiError(
+            503,
+            f"no live {names} worker is registered; retry after {self.config.retry_after_s} s",
+            type="service_unavailable",
+            code="no_workers",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
+
+    def queue_full(self, why: str) -> ApiError:
+        return ApiError(
+            429,
+            f"{why}; retry after {self.config.retry_after_s} s",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
+
     def timeout_error(self, tokens: int) -> ApiError:
         return ApiError(
             504,
@@ -428,7 +567,7 @@ class Router:
             code="request_timeout",
         )
 
-    def prompt_ids(self, body: CompletionBody) -> list[int]:
+    async def prompt_ids(self, body: CompletionBody) -> list[int]:
         prompt: Any = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -439,8 +578,12 @@ class Router:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
+            if not prompt:
+                raise _invalid("prompt: must not be empty", "prompt")
             try:
-                ids = [int(t) for t in self.tokenize(prompt)]
+                # A worker thread: a long prompt must not stall every other stream.
+                tokens = await anyio.to_thread.run_sync(self.tokenize, prompt)
+                ids = [int(t) for t in tokens]
             except (ValueError, TypeError) as exc:
                 raise _invalid(f"the prompt cannot be tokenised: {exc}", "prompt") from exc
         else:
@@ -455,7 +598,7 @@ class Router:
             )
         return ids
 
-    def check(self, body: CompletionBody) -> tuple[list[int], int]:
+    async def check(self, body: CompletionBody) -> tuple[list[int], int]:
         """The prompt's token ids and max_tokens, or the 400/404 that says what is wrong."""
         if body.model is not None and body.model != self.config.model_name:
             raise ApiError(
@@ -476,9 +619,10 @@ class Router:
         ):
             if bad:
                 raise _invalid(f"{name}: not supported by this server", name, "unsupported")
-        ids = self.prompt_ids(body)
+        ids = await self.prompt_ids(body)
         max_tokens = body.max_tokens or self.config.default_max_tokens
         ctx = self.config.max_context_tokens
+        # The one context rule, shared with the simulator and the capacity model.
         if len(ids) + max_tokens > ctx:
             raise _invalid(
                 f"this model's context is {ctx} tokens, but the prompt ({len(ids)} tokens) "
@@ -489,14 +633,41 @@ class Router:
         return ids, max_tokens
 
     async def admit(self, body: CompletionBody) -> _Generation:
-        """Validate and queue the request; raises ``ApiError`` (400/404/429/503)."""
+        """Validate and queue the request; raises ``ApiError`` (400/404/429/503).
+
+        ``sara_requests_total`` counts what the data plane was asked to serve and
+        either queued or refused for want of capacity (429): the demand the
+        controller plans on. Refusals because the data plane is broken (503: Redis
+        down, no worker) are counted apart, in ``sara_requests_refused_total``: a
+        client retrying against a dead Redis is not load the pools could absorb.
+        """
         arrival, wall = self.clock(), self.wall_clock()
         try:
-            ids, max_tokens = self.check(body)
+            ids, max_tokens = await self.check(body)
         except ApiError:
             self.metrics.ended(Outcome.INVALID)
             raise
-        self.metrics.arrived(prompt_tokens=len(ids))
+        if self.inflight_requests >= self.config.max_inflight_requests:
+            self.metrics.arrived(prompt_tokens=len(ids))
+            self.metrics.ended(Outcome.REJECTED)
+            raise self.queue_full(
+                f"this router serves {self.config.max_inflight_requests} requests already"
+            )
+        self.inflight_requests += 1  # before any await: the check and the count are one step
+        try:
+            gen = await self._enqueue(body, ids, max_tokens, arrival, wall)
+        except BaseException:
+            self.inflight_requests -= 1
+            raise
+        return gen
+
+    async def _enqueue(
+        self, body: CompletionBody, ids: list[int], max_tokens: int, arrival: float, wall: float
+    ) -> _Generation:
+        missing = await self.liveness.pools_without_ready_workers()
+        if missing:
+            self.metrics.refused(Outcome.NO_WORKERS)
+            raise self.no_workers(missing)
         req = PrefillRequest(
             request_id=f"cmpl-{uuid.uuid4().hex}",
             prompt_token_ids=tuple(ids),
@@ -514,17 +685,13 @@ class Router:
                     req, max_queued=self.config.max_queued_requests
                 )
         except (redis.RedisError, TimeoutError) as exc:  # down, or refusing (OOM, READONLY)
-            self.metrics.ended(Outcome.UNAVAILABLE)
+            self.metrics.refused(Outcome.UNAVAILABLE)
             raise self.unavailable(exc) from exc
+        self.metrics.arrived(prompt_tokens=len(ids))
         if entry_id is None:
             self.metrics.ended(Outcome.REJECTED)
-            raise ApiError(
-                429,
-                f"the prefill queue is full ({self.config.max_queued_requests} requests); "
-                f"retry after {self.config.retry_after_s} s",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(self.config.retry_after_s)},
+            raise self.queue_full(
+                f"the prefill queue is full ({self.config.max_queued_requests} requests)"
             )
         return _Generation(self, req, entry_id, arrival, IncrementalDetokenizer(self.detokenize))
 
@@ -629,6 +796,10 @@ def _event(payload: dict[str, Any]) -> bytes:
 def _validation_error(exc: RequestValidationError) -> ApiError:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+        ctx = first.get("ctx") or {}
+        detail = ctx.get("error", first.get("msg", "invalid JSON"))
+        return _invalid(f"the body is not valid JSON: {detail}", None, "invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
     message = first.get("msg", "invalid request")
@@ -636,6 +807,81 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
         # A union: pydantic reports the first member it tried, which misleads.
         message = "expected a string or a list of integer token ids"
     return _invalid(f"{param}: {message}" if param else message, param)
+
+
+def _http_error(exc: StarletteHTTPException) -> ApiError:
+    """Starlette's own errors (a body it cannot parse, no such path) in OpenAI's shape."""
+    status = exc.status_code
+    if status == 400:
+        return _invalid(
+            f"the body cannot be parsed: {exc.detail} (expected UTF-8 JSON, nested at "
+            "most a few levels)",
+            None,
+            "invalid_json",
+        )
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return ApiError(
+        status,
+        str(exc.detail),
+        type="invalid_request_error",
+        code=codes.get(status, "invalid_request"),
+        headers=dict(exc.headers or {}),
+    )
+
+
+class BodyLimit:
+    """Refuses a request body over ``max_bytes`` with 413 before it is read in full.
+
+    A declared ``Content-Length`` over the limit is refused before any of the body
+    is read; a chunked body is counted as it arrives and refused once past it.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> ApiError:
+        return ApiError(
+            413,
+            f"the request body exceeds {self.max_bytes} bytes (the model's context with room "
+            "to spare); send a shorter prompt",
+            type="invalid_request_error",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._error().response()(scope, receive, send)
+            return
+        seen = 0
+        refused = False
+
+        async def limited() -> Message:
+            nonlocal seen, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes and not refused:
+                    # Answer here and tell the app the client left: an exception raised
+                    # into its body parser would come out as a 400.
+                    refused = True
+                    await self._error().response()(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded(message: Message) -> None:
+            if not refused:  # the 413 went out: the app's own answer has nowhere to go
+                await send(message)
+
+        try:
+            await self.app(scope, limited, guarded)
+        except Exception:
+            if not refused:
+                raise
 
 
 def create_router_app(
@@ -678,16 +924,30 @@ def create_router_app(
         router.metrics.ended(Outcome.INVALID)
         return _validation_error(exc).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if request.url.path == "/v1/completions":
+            router.metrics.ended(Outcome.INVALID)
+        return _http_error(exc).response()
+
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionBody) -> Response:
         gen = await router.admit(body)
         if body.stream:
+            # The background task gives the slot back even when the client left before
+            # the stream started (the generator then never runs its cleanup).
             return StreamingResponse(
                 router.sse(gen),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                background=BackgroundTask(gen.release),
             )
-        return await router.complete(gen)
+        try:
+            return await router.complete(gen)
+        finally:
+            gen.release()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -3,10 +3,14 @@
 One registry per ``RouterMetrics`` (never prometheus-client's global one), so tests
 and several routers in a process never share series.
 
-- ``sara_requests_total``: completion requests that arrived (valid ones, counted
-  when they arrive, whatever happens next — rejected at the queue limit too: that
-  is offered load the pools did not absorb). No labels, so
-  ``sum(rate(sara_requests_total[W]))`` is the arrival rate.
+- ``sara_requests_total``: the demand: valid completion requests the data plane
+  queued, or refused for want of capacity (429 ``queue_full``: offered load the
+  pools did not absorb). No labels, so ``sum(rate(sara_requests_total[W]))`` is the
+  arrival rate the controller plans on.
+- ``sara_requests_refused_total{reason}``: valid requests refused because the data
+  plane is broken, not busy (503: ``unavailable`` — Redis down; ``no_workers`` — a
+  pool with no ready worker). Counted apart: clients retrying against a dead Redis
+  or an empty pool are not load more workers would absorb.
 - ``sara_request_outcomes_total{outcome}``: how requests ended (``Outcome``),
   invalid ones included.
 - ``sara_ttft_seconds``: arrival at the router to the first token read back. A
@@ -63,11 +67,13 @@ class Outcome(enum.Enum):
     INVALID = "invalid"  # 400/404: the request itself was wrong
     REJECTED = "rejected"  # 429: the queue was full
     UNAVAILABLE = "unavailable"  # 503: Redis unreachable
+    NO_WORKERS = "no_workers"  # 503 or an error event: a pool had no live worker
     TIMEOUT = "timeout"  # 504 or an error event: the per-request timeout passed
     ERROR = "error"  # a worker reported an error, or the token stream broke
     CANCELLED = "cancelled"  # the client went away
 
 
+_REFUSALS = (Outcome.UNAVAILABLE, Outcome.NO_WORKERS)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -78,7 +84,15 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         r = self.registry
         self.requests = Counter(
-            "sara_requests", "Completion requests that arrived (valid ones).", registry=r
+            "sara_requests",
+            "Completion requests queued or refused for want of capacity (the demand).",
+            registry=r,
+        )
+        self.refused_requests = Counter(
+            "sara_requests_refused",
+            "Valid requests refused because the data plane was broken (503), not demand.",
+            ["reason"],
+            registry=r,
         )
         self.outcomes = Counter(
             "sara_request_outcomes",
@@ -129,6 +143,8 @@ class RouterMetrics:
         )
         for outcome in Outcome:
             self.outcomes.labels(outcome=outcome.value)
+        for outcome in _REFUSALS:
+            self.refused_requests.labels(reason=outcome.value)
         for pool in Pool:
             self.set_pool(pool, live_workers=None, waiting=None, in_service=None)
 
@@ -144,6 +160,13 @@ class RouterMetrics:
         self.output_tokens.observe(output_tokens)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
+
+    def refused(self, outcome: Outcome) -> None:
+        """A valid request refused at admission because the data plane is broken."""
+        if outcome not in _REFUSALS:
+            raise ValueError(f"outcome: a refusal is one of {[o.value for o in _REFUSALS]}")
+        self.refused_requests.labels(reason=outcome.value).inc()
+        self.outcomes.labels(outcome=outcome.value).inc()
 
     def ended(self, outcome: Outcome) -> None:
         """A request that did not finish normally (``finished`` counts those that did)."""

@@ -16,6 +16,8 @@ import math
 import re
 import threading
 import time
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -26,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from queueing.pools import Pool
 from tests.workers.conftest import (
+    KEYS,
     ProtocolWorker,
     RouterFactory,
     ServerThread,
@@ -33,8 +36,9 @@ from tests.workers.conftest import (
     byte_tokenize,
     letter,
 )
-from workers.protocol import FinishReason, PrefillRequest, Streams, TokenEvent
+from workers.protocol import FinishReason, PrefillRequest, Streams, TokenEvent, connect
 from workers.redis_util import RedisServer
+from workers.registry import Heartbeat, Registry, WorkerInfo
 from workers.router import IncrementalDetokenizer, RouterConfig
 
 Json = dict[str, Any]
@@ -85,6 +89,26 @@ def error_of(resp: httpx.Response) -> Json:
 @pytest.fixture
 def served(worker: ProtocolWorker, start_router: RouterFactory) -> ServerThread:
     return start_router()
+
+
+@pytest.fixture
+def registered(redis_server: RedisServer) -> Iterator[None]:
+    """A live worker of each pool in the registry, for tests that play the worker side
+    by hand (the router refuses requests no live worker could serve)."""
+    client = connect(redis_server.url, timeout_s=2.0)
+    beats = [
+        Heartbeat(
+            Registry(client, KEYS, ttl_s=2.0),
+            partial(
+                WorkerInfo, pool=pool, worker_id=f"by-hand-{pool.value}", ready=True, capacity=8
+            ),
+            interval_s=0.2,
+        ).start()
+        for pool in Pool
+    ]
+    yield
+    for beat in beats:
+        beat.stop()
 
 
 # --------------------------------------------------------------------------- happy paths
@@ -223,7 +247,7 @@ def test_another_model_is_a_404(served: ServerThread) -> None:
 
 
 def test_a_full_queue_is_a_429_with_retry_after(
-    redis_server: RedisServer, start_router: RouterFactory, streams: Streams
+    redis_server: RedisServer, start_router: RouterFactory, streams: Streams, registered: None
 ) -> None:
     served = start_router(max_queued_requests=2, retry_after_s=3)
     for i in range(2):  # nobody serves the queue
@@ -308,7 +332,7 @@ def test_redis_lost_mid_stream_ends_the_stream_with_an_error_event_then_done(
 
 
 def test_a_request_that_times_out_is_a_504_and_leaves_nothing_queued(
-    start_router: RouterFactory, streams: Streams
+    start_router: RouterFactory, streams: Streams, registered: None
 ) -> None:
     served = start_router(request_timeout_s=0.4)
     # No worker: the router answers 504 (the client's own 10 s timeout would fail the
@@ -334,7 +358,7 @@ def test_a_request_that_times_out_is_a_504_and_leaves_nothing_queued(
 
 
 def test_a_streamed_request_that_times_out_ends_with_an_error_event_then_done(
-    start_router: RouterFactory, streams: Streams
+    start_router: RouterFactory, streams: Streams, registered: None
 ) -> None:
     served = start_router(request_timeout_s=0.6)
 
@@ -393,7 +417,7 @@ def play_worker(streams: Streams, script: list[TokenEvent]) -> threading.Thread:
 
 
 def test_tokens_republished_by_a_rerun_are_delivered_once(
-    start_router: RouterFactory, streams: Streams
+    start_router: RouterFactory, streams: Streams, registered: None
 ) -> None:
     served = start_router()
     t = [TokenEvent(index=i, token=97 + i) for i in range(3)]
@@ -414,7 +438,7 @@ def test_tokens_republished_by_a_rerun_are_delivered_once(
 
 
 def test_a_gap_in_the_token_stream_is_a_protocol_error(
-    start_router: RouterFactory, streams: Streams
+    start_router: RouterFactory, streams: Streams, registered: None
 ) -> None:
     served = start_router()
     thread = play_worker(streams, [TokenEvent(index=0, token=97), TokenEvent(index=2, token=98)])
@@ -425,7 +449,7 @@ def test_a_gap_in_the_token_stream_is_a_protocol_error(
 
 
 def test_a_worker_that_overruns_max_tokens_is_cut_off(
-    start_router: RouterFactory, streams: Streams
+    start_router: RouterFactory, streams: Streams, registered: None
 ) -> None:
     served = start_router()
     thread = play_worker(streams, [TokenEvent(index=i, token=97) for i in range(5)])
@@ -533,3 +557,172 @@ def test_an_invalid_router_config_is_refused_naming_the_field(overrides: Json, f
     settings: Json = {"redis_url": "redis://127.0.0.1:1/0", "max_context_tokens": 64, **overrides}
     with pytest.raises(ValueError, match=field):
         RouterConfig(**settings)
+
+
+# --------------------------------------------------------------------------- faults at the edge
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "a", "temperature": "0.5"}, "temperature"),
+        ({"prompt": "a", "stream": "yes"}, "stream"),
+        ({"prompt": "a", "ignore_eos": 1}, "ignore_eos"),
+        ({"prompt": "a", "top_p": "1"}, "top_p"),
+        ({"prompt": "a", "model": 3}, "model"),
+        ({"prompt": [""]}, "prompt"),
+    ],
+)
+def test_fields_of_the_wrong_type_are_not_coerced(
+    served: ServerThread, body: Json, param: str
+) -> None:
+    resp = post(served.url, body)
+    assert resp.status_code == 400
+    assert error_of(resp)["param"] == param
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "a",',  # malformed JSON
+        b'{"prompt": "\xff\xfe"}',  # not UTF-8
+        b"[" * 10_000 + b"]" * 10_000,  # nested past the JSON parser's recursion limit
+    ],
+)
+def test_a_body_that_cannot_be_parsed_is_a_400_with_an_openai_error_body(
+    served: ServerThread, raw: bytes
+) -> None:
+    resp = httpx.post(
+        f"{served.url}/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
+    assert resp.status_code == 400
+    error = error_of(resp)
+    assert (error["code"], error["param"]) == ("invalid_json", None)
+
+
+def test_an_unknown_path_is_a_404_with_an_openai_error_body(served: ServerThread) -> None:
+    resp = httpx.get(f"{served.url}/v1/nothing", timeout=5)
+    assert resp.status_code == 404
+    assert error_of(resp)["code"] == "not_found"
+
+
+def test_a_body_over_the_size_limit_is_refused_before_it_is_read(
+    served: ServerThread,
+) -> None:
+    limit = RouterConfig(redis_url="redis://x:1", max_context_tokens=512).max_body_bytes
+    # The limit leaves room for a whole context of token ids written as JSON.
+    assert len(json.dumps({"prompt": [2**32 - 1] * 512, "max_tokens": 1})) < limit
+    resp = post(served.url, {"prompt": "x" * (limit + 1)})
+    assert resp.status_code == 413
+    assert error_of(resp)["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(limit // 1000 + 1):
+            yield b"x" * 1000
+        yield b'"}'
+
+    resp = httpx.post(f"{served.url}/v1/completions", content=chunks(), timeout=10)
+    assert resp.status_code == 413
+    assert error_of(resp)["code"] == "request_too_large"
+
+
+def test_with_no_live_worker_a_request_is_a_503_no_workers_and_not_demand(
+    start_router: RouterFactory,
+) -> None:
+    served = start_router(retry_after_s=2)
+    started = time.monotonic()
+    resp = post(served.url, {"prompt": "a"})
+    assert time.monotonic() - started < 2.0  # at once, not at the request timeout (10 s)
+    assert resp.status_code == 503
+    assert resp.headers["retry-after"] == "2"
+    error = error_of(resp)
+    assert error["code"] == "no_workers"
+    assert "prefill or decode" in error["message"]
+    m = metrics(served.url)
+    assert m["sara_requests_total"] == 0  # not demand: no worker would have served it
+    assert m['sara_requests_refused_total{reason="no_workers"}'] == 1
+
+
+def test_a_stream_whose_decode_pool_empties_ends_with_no_workers_within_the_grace(
+    redis_server: RedisServer, start_router: RouterFactory, streams: Streams
+) -> None:
+    served = start_router(no_worker_grace_s=0.5, liveness_refresh_s=0.1)
+    client = connect(redis_server.url, timeout_s=2.0)
+    registry = Registry(client, KEYS, ttl_s=2.0)
+    for pool in Pool:
+        registry.heartbeat(
+            WorkerInfo(pool=pool, worker_id=f"w-{pool.value}", ready=True, capacity=1)
+        )
+
+    def prefill_then_the_decode_pool_dies() -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            for d in streams.read_prefill("w-prefill", block_ms=50):
+                streams.publish_token(d.message.request_id, TokenEvent(index=0, token=104))
+                registry.deregister(Pool.DECODE, "w-decode")  # as a drained or expired one
+                return
+
+    thread = threading.Thread(target=prefill_then_the_decode_pool_dies)
+    thread.start()
+    started = time.monotonic()
+    status, events = stream_events(served.url, {"prompt": "a", "max_tokens": 5})
+    elapsed = time.monotonic() - started
+    thread.join()
+    assert status == 200
+    assert events[0]["choices"][0]["text"] == "h"
+    assert events[1]["error"]["code"] == "no_workers"
+    assert "decode" in events[1]["error"]["message"]
+    assert events[2:] == ["[DONE]"]
+    assert 0.5 <= elapsed < 5.0  # after the grace, long before the 10 s request timeout
+
+
+def test_past_max_inflight_requests_a_request_is_a_429_before_the_redis_pool_runs_dry(
+    start_router: RouterFactory, registered: None
+) -> None:
+    served = start_router(
+        max_inflight_requests=2, max_redis_connections=18, request_timeout_s=2.0
+    )
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return [
+                r.status_code
+                for r in await asyncio.gather(
+                    *(
+                        client.post(f"{served.url}/v1/completions", json={"prompt": "a"})
+                        for _ in range(12)
+                    )
+                )
+            ]
+
+    # Nobody serves the queue: the first two wait for their 2 s timeout, the rest
+    # are refused at once with 429 (never 503: Redis is healthy).
+    statuses: list[int] = []
+    thread = threading.Thread(target=lambda: statuses.extend(asyncio.run(burst())))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while metrics(served.url)['sara_request_outcomes_total{outcome="rejected"}'] < 10:
+        assert time.monotonic() < deadline, metrics(served.url)
+        time.sleep(0.05)
+    m = metrics(served.url)
+    assert m["sara_router_inflight_requests"] == 2
+    assert m["sara_requests_total"] == 12  # admitted or refused for capacity: demand
+    thread.join()
+    assert sorted(statuses) == [429] * 10 + [504] * 2
+
+
+def test_redis_down_refusals_are_counted_apart_from_demand(
+    redis_server: RedisServer, worker: ProtocolWorker, start_router: RouterFactory
+) -> None:
+    served = start_router()
+    assert post(served.url, {"prompt": "a", "max_tokens": 2}).status_code == 200
+    redis_server.kill()
+    for _ in range(3):
+        assert post(served.url, {"prompt": "a", "max_tokens": 2}).status_code == 503
+    m = metrics(served.url)
+    assert m["sara_requests_total"] == 1
+    assert m['sara_requests_refused_total{reason="unavailable"}'] == 3
