@@ -158,9 +158,9 @@ def profiles_table_markdown() -> str:
     """A Markdown table of every built-in profile (the one in ``docs/profiles.md``)."""
     header = (
         "| profile | TP | t0 (ms) | t_tok (µs) | t_kv (ns) | t_attn (ns) "
-        "| KV capacity (tokens) | KV bytes/token | startup (s) |"
+        "| KV capacity (tokens) | KV bytes/token | context (tokens) | startup (s) |"
     )
-    rule = "|---|--:|--:|--:|--:|--:|--:|--:|--:|"
+    rule = "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
     rows = [header, rule]
     for profile in builtin_profiles().values():
         rows.append(
@@ -168,6 +168,6 @@ def profiles_table_markdown() -> str:
             f"| {profile.t0_s * 1e3:.2f} | {profile.t_tok_s * 1e6:.2f} "
             f"| {profile.t_kv_s * 1e9:.3f} | {profile.t_attn_s * 1e9:.3f} "
             f"| {profile.kv_capacity_tokens:,} | {profile.kv_bytes_per_token:,} "
-            f"| {profile.startup_s:.1f} |"
+            f"| {profile.max_context_tokens or 0:,} | {profile.startup_s:.1f} |"
         )
     return "\n".join(rows) + "\n"

@@ -205,6 +205,33 @@ def _fresh_start_wait_s(
     return share, iteration_s * (others - _phi(b) + _phi(a + b)) / (b * others)
 
 
+def lone_iteration_s(
+    profile: IterationProfile, prompt_tokens: FloatArray, token_budget: int
+) -> float:
+    """Length-biased mean iteration of prompts run alone: sum(I^2) / sum(I) over
+    every chunk's iteration I (the mean length of the iteration that a random
+    instant of such busy time falls into).
+
+    A lone prompt of L tokens runs floor(L / tau) full chunks, chunk k after k*tau
+    cached tokens costing A + B k (A = t0 + t_tok tau + t_attn tau (tau + 1) / 2,
+    B = t_attn tau^2), then a last chunk of the r remaining tokens.
+    """
+    tau = float(token_budget)
+    lengths = np.asarray(prompt_tokens, dtype=np.float64)
+    n = np.floor(lengths / tau)
+    r = lengths - n * tau
+    a = profile.t0_s + profile.t_tok_s * tau + profile.t_attn_s * tau * (tau + 1.0) / 2.0
+    b = profile.t_attn_s * tau * tau
+    full_sum = n * a + b * n * (n - 1.0) / 2.0
+    full_sq = n * a * a + a * b * n * (n - 1.0) + b * b * (n - 1.0) * n * (2.0 * n - 1.0) / 6.0
+    last = np.where(
+        r > 0,
+        profile.t0_s + profile.t_tok_s * r + profile.t_attn_s * (r * n * tau + r * (r + 1.0) / 2.0),
+        0.0,
+    )
+    return float((full_sq + last * last).sum() / (full_sum + last).sum())
+
+
 class UnstableQueueError(ValueError):
     """The offered load meets or exceeds the pool's capacity."""
 
@@ -230,6 +257,7 @@ class PrefillModel:
     service_scv: float
     packed_scv: float
     iteration_s: float  # D: one full iteration of tau tokens
+    lone_iteration_s: float  # length-biased mean iteration of prompts run alone
     spare_boundaries: float  # per prompt run alone: boundaries with budget to spare
     token_budget: int
     _floors: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
@@ -261,6 +289,7 @@ class PrefillModel:
             service_scv=float(service.var() / (mean * mean)),
             packed_scv=float(packed.var() / (packed_mean * packed_mean)),
             iteration_s=profile.t0_s + profile.t_tok_s * token_budget,
+            lone_iteration_s=lone_iteration_s(profile, lengths, token_budget),
             # A lone prompt leaves budget over at the start of its last chunk and at
             # its end: min(chunks, 2) boundaries.
             spare_boundaries=float(np.minimum(iterations, 2.0).mean()),
@@ -347,7 +376,14 @@ class PrefillModel:
         theta = tail.decay_rate_per_s
         # The other busy workers' boundaries with budget to spare, E[min(n, 2)] per S.
         others_per_s = (workers - 1) * self.spare_boundaries / self.mean_service_s
-        share, short_wait_s = _fresh_start_wait_s(theta, self.iteration_s, others_per_s)
+        share, _ = _fresh_start_wait_s(theta, self.iteration_s, others_per_s)
+        # A prompt that waits briefly waits for the iteration in progress to end. That
+        # iteration is full (D) when work was queued at its start, which happens with
+        # probability P_w; otherwise the worker runs the chunks of the prompts it
+        # holds alone, much shorter than D when prompts are short. Its length as seen
+        # from a random instant of busy time is the length-biased mean.
+        in_progress_s = pw * self.iteration_s + (1.0 - pw) * self.lone_iteration_s
+        _, short_wait_s = _fresh_start_wait_s(theta, in_progress_s, others_per_s)
         # Another worker admits it first with probability b E[(1 - e^-bx) / b] =
         # others_per_s * short_wait_s; at the start of a last chunk in ride_share of cases.
         rides = min(1.0, others_per_s * short_wait_s) * self.ride_share

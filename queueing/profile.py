@@ -12,6 +12,14 @@ One forward pass ("iteration") over a batch costs
   of ``L`` tokens has ``L * (L + 1) / 2`` pairs however it is chunked.
 
 ``t0_s`` is the weight-read floor (memory bound), ``t_tok_s`` the per-token compute.
+``max_context_tokens`` is the model's context: a request whose prompt plus output
+tokens exceed it is rejected, by the router (HTTP 400 ``context_length_exceeded``,
+as vLLM and the OpenAI API do), by the simulator (not served, so not completed) and by
+the capacity model (left out of the length mix it plans for), all through
+``exceeds_context``. Rejecting rather than truncating is what the engines users run
+do, and it is the only choice that keeps the three consistent: a truncated prompt
+would be a different request. A profile without it (older documents) limits requests
+by KV capacity only.
 A profile is stored as a small JSON document; parsing validates every field and an
 error names the field that is wrong. (Reading and writing files is the callers' job:
 this package does no I/O.)
@@ -24,6 +32,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 
 class ProfileError(ValueError):
     """A profile document or value is invalid; the message names the field."""
@@ -32,6 +43,18 @@ class ProfileError(ValueError):
 def attention_pairs(chunk_tokens: int, prefix_tokens: int) -> int:
     """Causal (query, key) pairs of a chunk of ``chunk_tokens`` after ``prefix_tokens``."""
     return chunk_tokens * prefix_tokens + chunk_tokens * (chunk_tokens + 1) // 2
+
+
+def exceeds_context(
+    prompt_tokens: npt.ArrayLike, output_tokens: npt.ArrayLike, max_context_tokens: int | None
+) -> npt.NDArray[np.bool_]:
+    """Which requests ask for more than the context: prompt + output > max_context_tokens
+    (none when the context is not stated)."""
+    total = np.asarray(prompt_tokens, dtype=np.int64) + np.asarray(output_tokens, dtype=np.int64)
+    if max_context_tokens is None:
+        return np.zeros(total.shape, dtype=np.bool_)
+    result: npt.NDArray[np.bool_] = total > max_context_tokens
+    return result
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +78,7 @@ class IterationProfile:
     kv_bytes_per_token: int
     startup_s: float
     source: str
+    max_context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("name", "model", "hardware", "source"):
@@ -74,6 +98,11 @@ class IterationProfile:
                 or value < 0
             ):
                 raise ProfileError(f"{name}: must be a finite number >= 0, got {value!r}")
+        context = self.max_context_tokens
+        if context is not None and (
+            isinstance(context, bool) or not isinstance(context, int) or context < 2
+        ):
+            raise ProfileError(f"max_context_tokens: must be an integer >= 2, got {context!r}")
         if self.t0_s + self.t_tok_s <= 0:
             raise ProfileError("t0_s: t0_s and t_tok_s cannot both be 0 (iterations would be free)")
 
@@ -99,7 +128,7 @@ class IterationProfile:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ProfileError(f"{unknown[0]}: unknown profile field")
-        missing = sorted(known - set(data))
+        missing = sorted(known - set(data) - {"max_context_tokens"})
         if missing:
             raise ProfileError(f"{missing[0]}: missing from the profile")
         return cls(**data)

@@ -209,4 +209,5 @@ def roofline_profile(
         kv_bytes_per_token=model.kv_bytes_per_token,
         startup_s=startup_s,
         source=source,
+        max_context_tokens=model.max_context_tokens,
     )

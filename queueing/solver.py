@@ -23,7 +23,7 @@ from queueing.decode import DecodeModel
 from queueing.lengths import LengthSamples
 from queueing.pools import Pool
 from queueing.prefill import PrefillModel
-from queueing.profile import IterationProfile
+from queueing.profile import IterationProfile, exceeds_context
 
 DEFAULT_QUANTILE = 0.99
 DEFAULT_MAX_WORKERS = 100_000
@@ -90,12 +90,18 @@ class KvLink:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class CapacityModel:
-    """Both pool models for one length mix, profile and TPOT SLO (which sets the budget)."""
+    """Both pool models for one length mix, profile and TPOT SLO (which sets the budget).
+
+    Requests longer than the profile's context are rejected before they reach a pool
+    (``queueing.profile.exceeds_context``), so the models are built on the others;
+    ``rejected_share`` is the share of the mix left out.
+    """
 
     prefill: PrefillModel
     decode: DecodeModel
     token_budget: int
     profile: IterationProfile
+    rejected_share: float = 0.0
 
     def of(self, pool: Pool) -> PrefillModel | DecodeModel:
         """The pool's model (both answer ``is_stable`` and ``floor_quantile_s``)."""
@@ -122,7 +128,22 @@ class CapacityModel:
                 floor_s=exc.floor_s,
                 reason="one iteration of the smallest batch is already slower",
             ) from exc
-        longest = int(samples.prompt_tokens.max() + samples.output_tokens.max())
+        too_long = exceeds_context(
+            samples.prompt_tokens, samples.output_tokens, profile.max_context_tokens
+        )
+        rejected_share = float(too_long.mean())
+        if too_long.all():
+            raise ValueError(
+                f"max_context_tokens: every request of {samples.source} is longer than the "
+                f"{profile.max_context_tokens}-token context of profile {profile.name}"
+            )
+        if too_long.any():
+            samples = LengthSamples(
+                prompt_tokens=samples.prompt_tokens[~too_long],
+                output_tokens=samples.output_tokens[~too_long],
+                source=samples.source,
+            )
+        longest = int((samples.prompt_tokens + samples.output_tokens).max())
         if longest > profile.kv_capacity_tokens:
             raise ValueError(
                 f"kv_capacity_tokens: {profile.kv_capacity_tokens} of profile {profile.name} "
@@ -140,6 +161,7 @@ class CapacityModel:
             ),
             token_budget=budget,
             profile=profile,
+            rejected_share=rejected_share,
         )
 
 

@@ -2,6 +2,10 @@
 
 The semantics, which the analytical models are validated against:
 
+- A request whose prompt plus output tokens exceed the profile's
+  ``max_context_tokens`` is rejected at arrival, as the router rejects it
+  (``queueing.profile.exceeds_context``): it gets no first token and does not
+  complete (``rejected``), and uses no worker.
 - Requests arrive at ``trace.arrival_s`` into one shared FIFO prefill queue. Each
   prefill worker runs its own ``workers.scheduler.Scheduler`` over that queue (one
   ``Sequence`` per request with ``max_new_tokens=1``, KV reserved for the prompt
@@ -40,7 +44,7 @@ from enum import Enum
 import numpy as np
 
 from queueing.pools import Pool
-from queueing.profile import IterationProfile
+from queueing.profile import IterationProfile, exceeds_context
 from sim.decode_worker import DecodeWorker
 from sim.events import EventQueue
 from sim.results import SimResults
@@ -193,7 +197,8 @@ class Cluster:
     Drive it with ``run_until(t_s)`` / ``snapshot()`` / ``set_pool_size()`` from a
     controller, then ``finish()`` for the results (or just ``run()``). Raises
     ``ValueError`` at construction for a request that can never fit a worker's KV
-    cache (naming it). ``record_token_times`` keeps every decode token's time (for
+    cache (naming it). ``rejected`` marks the requests beyond the profile's context
+    (never served). ``record_token_times`` keeps every decode token's time (for
     tests; memory grows with the total output tokens).
     """
 
@@ -208,6 +213,10 @@ class Cluster:
         self._prompt = trace.prompt_tokens.tolist()
         self._output = trace.output_tokens.tolist()
         self._arrival = trace.arrival_s.tolist()
+        self.rejected = exceeds_context(
+            trace.prompt_tokens, trace.output_tokens, profile.max_context_tokens
+        )
+        self._rejected = self.rejected.tolist()
         self._check_fits()
         n = len(trace)
         self._first_token_s = [math.nan] * n
@@ -243,8 +252,9 @@ class Cluster:
     def _check_fits(self) -> None:
         blocks = self.config.kv_blocks_per_worker
         bs = self.config.block_size_tokens
-        prompt = self.trace.prompt_tokens
-        output = self.trace.output_tokens
+        # Rejected requests never reach a worker.
+        prompt = np.where(self.rejected, 1, self.trace.prompt_tokens)
+        output = np.where(self.rejected, 1, self.trace.output_tokens)
         prefill_blocks = -(-(prompt + 1) // bs)
         decode_blocks = np.where(output > 1, -(-(prompt + output) // bs), 0)
         for pool, need in (("prefill", prefill_blocks), ("decode", decode_blocks)):
@@ -358,13 +368,15 @@ class Cluster:
     # -- prefill pool ------------------------------------------------------------------
 
     def _on_arrival(self, r: int) -> None:
+        nxt = r + 1
+        if nxt < len(self._arrival):
+            self._events.push(self._arrival[nxt], _EventKind.ARRIVAL, (nxt, 0))
+        if self._rejected[r]:
+            return
         self._prefill_queue.append(
             Sequence(seq_id=r, num_prompt_tokens=self._prompt[r], max_new_tokens=1)
         )
         self._prefill_queue_max = max(self._prefill_queue_max, len(self._prefill_queue))
-        nxt = r + 1
-        if nxt < len(self._arrival):
-            self._events.push(self._arrival[nxt], _EventKind.ARRIVAL, (nxt, 0))
         self._dispatch_prefill()
 
     def _dispatch_prefill(self) -> None:

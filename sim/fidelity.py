@@ -141,6 +141,8 @@ def draw_cases(
     max_context: dict[str, int],
     rng: np.random.Generator,
     max_utilisation: float = 0.9,
+    arrival_scvs: Sequence[float] = ARRIVAL_SCVS,
+    pool_sizes: Sequence[int] = POOL_SIZES,
 ) -> list[tuple[Case, LengthSamples]]:
     """``count`` cases with their length samples, the families in turn."""
     families = list(Family)
@@ -156,9 +158,9 @@ def draw_cases(
             label=label,
             profile=profile,
             tpot_slo_s=float(TPOT_SLOS_S[int(rng.integers(len(TPOT_SLOS_S)))]),
-            prefill_workers=int(POOL_SIZES[int(rng.integers(len(POOL_SIZES)))]),
+            prefill_workers=int(pool_sizes[int(rng.integers(len(pool_sizes)))]),
             utilisation=float(rng.uniform(0.1, max_utilisation)),
-            ca2=float(ARRIVAL_SCVS[int(rng.integers(len(ARRIVAL_SCVS)))]),
+            ca2=float(arrival_scvs[int(rng.integers(len(arrival_scvs)))]),
             seed=int(rng.integers(2**31)),
         )
         cases.append((case, samples))
@@ -259,7 +261,7 @@ def _simulate(
         results = Cluster(config, trace).run()
         # The cluster starts empty: leave out the first 5 % of the arrivals (warm-up).
         steady = trace.arrival_s >= 0.05 * duration_s
-        ttft.append(float(np.quantile(results.ttft_s[steady], 0.99)))
+        ttft.append(float(np.nanquantile(results.ttft_s[steady], 0.99)))
         tpot.append(float(np.nanquantile(results.tpot_s[steady], 0.99)))
     return ttft, tpot
 

@@ -37,6 +37,7 @@ def test_the_document_holds_every_field_with_its_unit_in_the_name() -> None:
         "kv_bytes_per_token",
         "startup_s",
         "source",
+        "max_context_tokens",
     }
 
 
