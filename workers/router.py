@@ -65,6 +65,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from queueing.pools import Pool
+from queueing.profile import exceeds_context
 from workers.protocol import (
     MAX_STREAM_LEN,
     AsyncStreams,
@@ -623,7 +624,7 @@ class Router:
         max_tokens = body.max_tokens or self.config.default_max_tokens
         ctx = self.config.max_context_tokens
         # The one context rule, shared with the simulator and the capacity model.
-        if len(ids) + max_tokens > ctx:
+        if exceeds_context(len(ids), max_tokens, ctx):
             raise _invalid(
                 f"this model's context is {ctx} tokens, but the prompt ({len(ids)} tokens) "
                 f"plus max_tokens ({max_tokens}) asks for {len(ids) + max_tokens}",
