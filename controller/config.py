@@ -201,6 +201,10 @@ def _check(path: str, item: KnobField, value: Any) -> None:
         if value is None:
             return
         (kind,) = [member for member in members if member is not type(None)]
+        if kind is str:
+            if not isinstance(value, str) or len(value) < (meta.min_length or 0):
+                raise ConfigError(f"{path}: must be a non-empty string or null, got {value!r}")
+            return
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: must be an integer, got {value!r}")
@@ -379,6 +383,112 @@ class ForecastConfig:
             )
 
 
+class MetricsFlavor(enum.Enum):
+    """Whose metric names the Prometheus queries read (controller.sources.flavors)."""
+
+    SARA = "sara"  # SARA's own router and workers
+    VLLM = "vllm"  # vLLM's engine metrics (vllm:...), one pool per set of instances
+    SGLANG = "sglang"  # SGLang's metrics (sglang:...)
+    CUSTOM = "custom"  # every query from this block's *_query templates
+
+
+# The templates of the custom flavour, in the order docs/engines.md lists them.
+CUSTOM_QUERY_FIELDS: tuple[str, ...] = (
+    "arrival_rate_query",
+    "arrival_samples_query",
+    "ttft_p99_query",
+    "tpot_p99_query",
+    "prompt_buckets_query",
+    "output_buckets_query",
+    "prefill_queue_depth_query",
+    "kv_usage_query",
+)
+_TEMPLATE_DOC = " (custom flavour only; $window, $selector, $prefill and $decode are filled in)."
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """Which metrics the observation is read from: a flavour (an engine's own metric
+    names) and the label matchers that tell the two pools' series apart. The custom
+    flavour takes every *_query template; the others take none."""
+
+    flavor: MetricsFlavor = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
+        default=MetricsFlavor.SARA,
+        doc="Whose metric names to query: sara, vllm, sglang, or custom (the *_query templates).",
+    )
+    prefill_selector: str = knob(
+        default='pool="prefill"',
+        doc="PromQL label matchers without braces that select the prefill pool's series.",
+    )
+    decode_selector: str = knob(
+        default='pool="decode"',
+        doc="PromQL label matchers without braces that select the decode pool's series.",
+    )
+    arrival_rate_query: str | None = knob(
+        default=None,
+        min_length=1,
+        doc="PromQL of the arrival rate, requests/s, over $window" + _TEMPLATE_DOC,
+    )
+    arrival_samples_query: str | None = knob(
+        default=None,
+        min_length=1,
+        doc="PromQL range vector of the request counters' raw samples over $window, for "
+        "the arrivals' SCV" + _TEMPLATE_DOC,
+    )
+    ttft_p99_query: str | None = knob(
+        default=None,
+        min_length=1,
+        doc="PromQL of the P99 time to first token, seconds" + _TEMPLATE_DOC,
+    )
+    tpot_p99_query: str | None = knob(
+        default=None,
+        min_length=1,
+        doc="PromQL of the P99 time per output token, seconds" + _TEMPLATE_DOC,
+    )
+    prompt_buckets_query: str | None = knob(
+        default=None,
+        min_length=1,
+        doc="PromQL of the prompt-length histogram, by le, over $window" + _TEMPLATE_DOC,
+    )
+    output_buckets_query: str | None = knob(
+        default=None,
+        min_length=1,
+        doc="PromQL of the output-length histogram, by le, over $window" + _TEMPLATE_DOC,
+    )
+    prefill_queue_depth_query: str | None = knob(
+        default=None,
+        min_length=1,
+        doc="PromQL of the requests waiting in the prefill pool" + _TEMPLATE_DOC,
+    )
+    kv_usage_query: str | None = knob(
+        default=None,
+        min_length=1,
+        doc="PromQL of the decode pool's KV-cache usage, a fraction" + _TEMPLATE_DOC,
+    )
+
+    def validate(self, path: str) -> None:
+        _check_block(self, path)
+        for name in ("prefill_selector", "decode_selector"):
+            if "{" in getattr(self, name) or "}" in getattr(self, name):
+                raise ConfigError(
+                    f"{path}.{name}: label matchers without braces, got {getattr(self, name)!r}"
+                )
+        templates = {name: getattr(self, name) for name in CUSTOM_QUERY_FIELDS}
+        if self.flavor is MetricsFlavor.CUSTOM:
+            missing = [name for name, value in templates.items() if value is None]
+            if missing:
+                raise ConfigError(
+                    f"{path}.{missing[0]}: required with flavor custom "
+                    f"(missing: {', '.join(missing)})"
+                )
+        else:
+            given = [name for name, value in templates.items() if value is not None]
+            if given:
+                raise ConfigError(
+                    f"{path}.{given[0]}: only with flavor custom, got flavor {self.flavor.value!r}"
+                )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ControllerConfig:
     """Every knob of the control loop. Fields left out take their defaults.
@@ -497,6 +607,11 @@ class ControllerConfig:
         default_factory=ForecastConfig,
         doc="Forecasting the arrival rate one worker start-up ahead.",
     )
+    metrics: MetricsConfig = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
+        default_factory=MetricsConfig,
+        doc="Which metrics the observation reads: the engine's flavour and the pools' "
+        "label matchers.",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -520,6 +635,7 @@ class ControllerConfig:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["mode"] = self.mode.value
+        data["metrics"]["flavor"] = self.metrics.flavor.value
         return data
 
     @classmethod

@@ -37,7 +37,8 @@ class Observation:
     ``arrival_rate_rps`` is over the full window, ``burst_arrival_rate_rps`` over the
     short burst window at its end. ``lengths`` are (prompt, output) samples of the
     window's requests (or reconstructed from histograms); ``ttft_p99_s`` and
-    ``tpot_p99_s`` are the P99s observed at the router.
+    ``tpot_p99_s`` are the P99s observed at the router (or at the engines: see
+    docs/engines.md for which pool each field is read from).
     """
 
     time_s: float
@@ -50,6 +51,7 @@ class Observation:
     ttft_p99_s: float | None = None
     tpot_p99_s: float | None = None
     prefill_queue_depth: float | None = None
+    kv_usage_fraction: float | None = None  # the decode pool's mean KV-cache usage, 0..1
 
     def __post_init__(self) -> None:
         if not (isinstance(self.time_s, int | float) and math.isfinite(self.time_s)):

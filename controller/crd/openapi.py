@@ -108,7 +108,9 @@ TARGETS: dict[str, tuple[dict[str, Any], str]] = {
         "no braces",
     ),
 }
-_METRICS_DESCRIPTION = "Where the operator reads the pools' metrics."
+_METRICS_DESCRIPTION = (
+    "Where the operator reads the pools' metrics, and whose metric names they are."
+)
 # A cluster has no profile files: the spec takes a built-in name (check_config_for_spec).
 _ENUMS: dict[str, list[str]] = {"profile": list(builtin_profiles())}
 
@@ -116,11 +118,9 @@ _ENUMS: dict[str, list[str]] = {"profile": list(builtin_profiles())}
 def spec_schema() -> dict[str, Any]:
     """The ``spec`` property of the CRD's ``openAPIV3Schema``."""
     node = _object(ControllerConfig, "", SPEC_DESCRIPTION)
-    node["properties"]["metrics"] = {
-        "type": "object",
-        "description": _METRICS_DESCRIPTION,
-        "properties": {},
-    }
+    # The config's metrics block (the flavour) and the resource's own metrics fields
+    # (where Prometheus is) share the spec's one ``metrics`` object.
+    node["properties"]["metrics"]["description"] = _METRICS_DESCRIPTION
     targets: dict[str, dict[str, Any]] = {}
     for path, (schema, _) in TARGETS.items():
         parent, _, leaf = path.partition(".")
@@ -233,7 +233,7 @@ def spec_fields_markdown() -> str:
         elif "default" in node:
             default = f"`{json.dumps(node['default'])}`"
         else:
-            default = "absent (unlimited)"
+            default = "absent (unlimited)" if node["type"] != "string" else "absent"
         if path in TARGETS:
             allowed = TARGETS[path][1]
         elif "enum" in node and path in _ENUMS:

@@ -131,14 +131,14 @@ class AutoscalerSpec:
         check_config_for_spec(self.config, prefix="spec.")
 
     def to_spec(self) -> dict[str, Any]:
-        """The whole spec, every knob written out (``gpuBudget`` only when set)."""
+        """The whole spec, every knob written out (optional ones such as ``gpuBudget``
+        only when set)."""
         spec = config_to_spec(self.config)
         spec["prefill"]["deployment"] = self.prefill_deployment
         spec["decode"]["deployment"] = self.decode_deployment
-        spec["metrics"] = {
-            "prometheusUrl": self.metrics.prometheus_url,
-            "selector": self.metrics.selector,
-        }
+        spec.setdefault("metrics", {}).update(
+            prometheusUrl=self.metrics.prometheus_url, selector=self.metrics.selector
+        )
         return spec
 
 
@@ -210,8 +210,10 @@ def spec_patch_for(config: ControllerConfig) -> dict[str, Any]:
     """A JSON merge patch of a spec that makes its knobs ``config``'s, leaving the
     Deployments and the metrics as they are."""
     patch = config_to_spec(config)
-    if config.gpu_budget is None:
-        patch["gpuBudget"] = None  # RFC 7386: null removes the key
+    document = config.to_dict()
+    for spec_path, config_path in KNOBS:
+        if _get(document, config_path) is None:
+            _put(patch, spec_path, None)  # RFC 7386: null removes the key
     return patch
 
 

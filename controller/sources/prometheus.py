@@ -1,11 +1,12 @@
 """Observations from Prometheus's HTTP API (instant queries, ``/api/v1/query``).
 
-The queries below are the whole contract with the metrics (DESIGN §4; listed with
-their meaning in docs/observation.md). ``$selector`` is extra label matchers (e.g.
-``namespace="prod"``, possibly empty) and ``$window`` a PromQL duration. They run
-concurrently, so a hung Prometheus costs one ``timeout_s`` per tick, not one per query.
-Queries are evaluated at Prometheus's "now": ``now_s`` is the controller's clock
-(possibly monotonic) and is only stamped on the result.
+The queries are the whole contract with the metrics (DESIGN §4). Their text comes
+from the configured flavour (``controller.sources.flavors``: SARA's own metrics,
+vLLM's, SGLang's, or templates in the config); docs/observation.md and
+docs/engines.md list them with their meaning. They run concurrently, so a hung
+Prometheus costs one ``timeout_s`` per tick, not one per query. Queries are
+evaluated at Prometheus's "now": ``now_s`` is the controller's clock (possibly
+monotonic) and is only stamped on the result.
 """
 
 from __future__ import annotations
@@ -20,25 +21,24 @@ from typing import Any
 
 import httpx
 
+from controller.config import MetricsConfig
 from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
 from controller.sources.counters import CounterSample, interarrival_scv
+from controller.sources.flavors import SARA, flavor_queries, join_matchers
 from controller.sources.histograms import DEFAULT_SAMPLES, Bucket, histogram_quantile
 from controller.sources.histograms import length_samples as samples_from_buckets
 from queueing.pools import Pool
 
-ARRIVAL_RATE_QUERY = "sum(rate(sara_requests_total{$selector}[$window]))"
-TTFT_P99_QUERY = (
-    "histogram_quantile(0.99, sum by (le) (rate(sara_ttft_seconds_bucket{$selector}[$window])))"
-)
-TPOT_P99_QUERY = (
-    "histogram_quantile(0.99, sum by (le) (rate(sara_tpot_seconds_bucket{$selector}[$window])))"
-)
-PROMPT_BUCKETS_QUERY = "sum by (le) (increase(sara_prompt_tokens_bucket{$selector}[$window]))"
-OUTPUT_BUCKETS_QUERY = "sum by (le) (increase(sara_output_tokens_bucket{$selector}[$window]))"
+# The sara flavour's templates, by their historical names ($selector and $window).
+ARRIVAL_RATE_QUERY = SARA.arrival_rate
+TTFT_P99_QUERY = SARA.ttft_p99
+TPOT_P99_QUERY = SARA.tpot_p99
+PROMPT_BUCKETS_QUERY = SARA.prompt_buckets
+OUTPUT_BUCKETS_QUERY = SARA.output_buckets
 # Raw samples of every request counter (a range vector), for the ca² estimate.
-ARRIVAL_SAMPLES_QUERY = "sara_requests_total{$selector}[$window]"
-PREFILL_QUEUE_DEPTH_QUERY = 'sum(sara_worker_queue_depth{pool="prefill",$selector})'
+ARRIVAL_SAMPLES_QUERY = SARA.arrival_samples
+PREFILL_QUEUE_DEPTH_QUERY = SARA.prefill_queue_depth
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +51,28 @@ def promql_duration(seconds: float) -> str:
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
-def render(template: str, *, selector: str, window_s: float) -> str:
-    """One of the query templates above with its selector and window filled in."""
-    return Template(template).substitute(selector=selector, window=promql_duration(window_s))
+def render(
+    template: str,
+    *,
+    selector: str,
+    window_s: float,
+    prefill_selector: str = 'pool="prefill"',
+    decode_selector: str = 'pool="decode"',
+) -> str:
+    """A query template with its selectors and window filled in: ``$selector`` is
+    ``selector``, ``$prefill`` and ``$decode`` add each pool's matchers to it."""
+    try:
+        return Template(template).substitute(
+            selector=join_matchers(selector),
+            prefill=join_matchers(selector, prefill_selector),
+            decode=join_matchers(selector, decode_selector),
+            window=promql_duration(window_s),
+        )
+    except (KeyError, ValueError) as exc:
+        raise ValueError(
+            f"query template: only $window, $selector, $prefill and $decode may be "
+            f"used ({exc}), got {template!r}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,7 @@ class PrometheusSource:
     burst rate; ``scv_step_s``: the sub-window of the ca² estimate (use at least the
     scrape interval: sub-windows without a new sample are dropped).
     ``n_length_samples``: how many (prompt, output) pairs to reconstruct.
+    ``metrics``: the flavour (whose metric names) and the pools' label matchers.
     An injected ``client`` is used as is and not closed by ``close()``.
     """
 
@@ -82,8 +102,10 @@ class PrometheusSource:
         selector: str = "",
         scv_step_s: float = 5.0,
         n_length_samples: int = DEFAULT_SAMPLES,
+        metrics: MetricsConfig | None = None,
         client: httpx.Client | None = None,
     ) -> None:
+        metrics = MetricsConfig() if metrics is None else metrics
         for name, value in (
             ("window_s", window_s),
             ("burst_window_s", burst_window_s),
@@ -105,17 +127,25 @@ class PrometheusSource:
         self._failures = FailureLog(logger)
 
         def q(template: str, window: float) -> str:
-            return render(template, selector=selector, window_s=window)
+            return render(
+                template,
+                selector=selector,
+                window_s=window,
+                prefill_selector=metrics.prefill_selector,
+                decode_selector=metrics.decode_selector,
+            )
 
+        flavor = flavor_queries(metrics)
         self._queries: dict[str, _Query] = {
-            "arrival_rate_rps": _Query(q(ARRIVAL_RATE_QUERY, window_s), _single_value),
-            "burst_arrival_rate_rps": _Query(q(ARRIVAL_RATE_QUERY, burst_window_s), _single_value),
-            "interarrival_scv": _Query(q(ARRIVAL_SAMPLES_QUERY, window_s), self._scv),
-            "ttft_p99_s": _Query(q(TTFT_P99_QUERY, window_s), _single_value),
-            "tpot_p99_s": _Query(q(TPOT_P99_QUERY, window_s), _single_value),
-            "prompt_buckets": _Query(q(PROMPT_BUCKETS_QUERY, window_s), _buckets),
-            "output_buckets": _Query(q(OUTPUT_BUCKETS_QUERY, window_s), _buckets),
-            "prefill_queue_depth": _Query(q(PREFILL_QUEUE_DEPTH_QUERY, window_s), _single_value),
+            "arrival_rate_rps": _Query(q(flavor.arrival_rate, window_s), _single_value),
+            "burst_arrival_rate_rps": _Query(q(flavor.arrival_rate, burst_window_s), _single_value),
+            "interarrival_scv": _Query(q(flavor.arrival_samples, window_s), self._scv),
+            "ttft_p99_s": _Query(q(flavor.ttft_p99, window_s), _single_value),
+            "tpot_p99_s": _Query(q(flavor.tpot_p99, window_s), _single_value),
+            "prompt_buckets": _Query(q(flavor.prompt_buckets, window_s), _buckets),
+            "output_buckets": _Query(q(flavor.output_buckets, window_s), _buckets),
+            "prefill_queue_depth": _Query(q(flavor.prefill_queue_depth, window_s), _single_value),
+            "kv_usage_fraction": _Query(q(flavor.kv_usage, window_s), _single_value),
         }
 
     @property
@@ -161,6 +191,7 @@ class PrometheusSource:
             ttft_p99_s=values["ttft_p99_s"],
             tpot_p99_s=values["tpot_p99_s"],
             prefill_queue_depth=values["prefill_queue_depth"],
+            kv_usage_fraction=values["kv_usage_fraction"],
         )
 
     def close(self) -> None:

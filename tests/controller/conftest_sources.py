@@ -113,7 +113,7 @@ class RouterExporter(_Exporter):
 
 
 class WorkerExporter(_Exporter):
-    """A worker's queue depth and iteration time, labelled with its pool."""
+    """A worker's queue depth, KV usage and iteration time, labelled with its pool."""
 
     def __init__(self, pool: str) -> None:
         self.pool = pool
@@ -123,6 +123,9 @@ class WorkerExporter(_Exporter):
         r = self.registry
         self.queue_depth = Gauge(
             "sara_worker_queue_depth", "Requests waiting.", ["pool"], registry=r
+        ).labels(pool=self.pool)
+        self.kv_utilization = Gauge(
+            "sara_worker_kv_utilization", "KV blocks in use.", ["pool"], registry=r
         ).labels(pool=self.pool)
         self.iteration = Histogram(
             "sara_worker_iteration_seconds",

@@ -19,13 +19,17 @@ import yaml
 
 from controller import crd, schema
 from controller.config import (
+    CUSTOM_QUERY_FIELDS,
     CalibrationConfig,
     ConfigError,
     ControllerConfig,
     ForecastConfig,
+    MetricsConfig,
+    MetricsFlavor,
     Mode,
     PoolLimits,
     SloConfig,
+    _camel,
 )
 from controller.crd import openapi
 from controller.observation import Observation, PoolObservation
@@ -182,11 +186,32 @@ def test_the_example_is_a_valid_resource() -> None:
     assert schema_errors(EXAMPLE) == []
 
 
+# The custom flavour's templates are refused with any other flavour: the example,
+# which uses the sara flavour, cannot set them (a test below parses them).
+CUSTOM_ONLY = {f"metrics.{_camel(name)}" for name in CUSTOM_QUERY_FIELDS}
+
+
 def test_the_example_sets_every_field_and_parses() -> None:
-    assert leaves(SPEC_SCHEMA) <= set(_flatten(EXAMPLE["spec"]))
+    assert leaves(SPEC_SCHEMA) - CUSTOM_ONLY <= set(_flatten(EXAMPLE["spec"]))
     spec = crd.parse_spec(EXAMPLE["spec"])
     assert spec.prefill_deployment == "llama3-8b-prefill"
     assert spec.config.slo.ttft_p99_s == 1.5 and spec.config.gpu_budget == 48
+
+
+def test_a_custom_flavour_takes_its_templates_from_the_spec_and_needs_them_all() -> None:
+    resource = copy.deepcopy(EXAMPLE)
+    templates = {_camel(name): f"sum(metric_{i})" for i, name in enumerate(CUSTOM_QUERY_FIELDS)}
+    resource["spec"]["metrics"].update(flavor="custom", **templates)
+    assert schema_errors(resource) == []
+    metrics = crd.parse_spec(resource["spec"]).config.metrics
+    assert metrics.flavor is MetricsFlavor.CUSTOM
+    assert metrics.ttft_p99_query == templates["ttftP99Query"]
+    del resource["spec"]["metrics"]["kvUsageQuery"]
+    with pytest.raises(ConfigError, match=r"^spec\.metrics\.kvUsageQuery: required with flavor"):
+        crd.parse_spec(resource["spec"])
+    resource["spec"]["metrics"]["flavor"] = "vllm"
+    with pytest.raises(ConfigError, match=r"^spec\.metrics\.arrivalRateQuery: only with flavor"):
+        crd.parse_spec(resource["spec"])
 
 
 def without(path: str) -> Any:
@@ -424,6 +449,12 @@ EVERYTHING_CHANGED = ControllerConfig(
         seasonal_smoothing_s=600.0,
         max_level_ratio=1.5,
     ),
+    metrics=MetricsConfig(
+        flavor=MetricsFlavor.CUSTOM,
+        prefill_selector='role="prefill"',
+        decode_selector='role="decode"',
+        **{name: f"sum(metric_{i}{{$selector}})" for i, name in enumerate(CUSTOM_QUERY_FIELDS)},
+    ),
 )
 
 
@@ -473,7 +504,9 @@ def test_a_spec_patch_sets_every_knob_keeps_the_targets_and_clears_an_old_budget
     assert base.config.gpu_budget == 48
     patch = crd.spec_patch_for(ControllerConfig())
     assert patch["gpuBudget"] is None
-    assert "deployment" not in patch["prefill"] and "metrics" not in patch
+    # The metrics object holds knobs (the flavour) beside the targets: only the knobs.
+    assert "deployment" not in patch["prefill"]
+    assert not {"prometheusUrl", "selector"} & set(patch["metrics"])
     patched = _merge(EXAMPLE["spec"], patch)
     again = crd.parse_spec(patched)
     assert again.config == ControllerConfig()

@@ -228,7 +228,8 @@ def test_a_rest_patch_changes_the_spec_and_the_next_decision_follows_it(
     resource = kube.get()
     assert resource["spec"]["slo"] == {"ttftP99Seconds": 0.15, "tpotP99Seconds": 0.1}
     assert resource["spec"]["prefill"]["deployment"] == PREFILL  # the targets stay
-    assert resource["spec"]["metrics"] == spec()["metrics"]
+    # The metrics object keeps its targets; the knobs beside them are written out.
+    assert resource["spec"]["metrics"].items() >= spec()["metrics"].items()
     eventually(lambda: kube.replicas() == after, f"Deployments at {after} after the REST edit")
     # The old ETag no longer matches: refused, and the spec stays as it is.
     stale = api.patch(

@@ -131,6 +131,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     router, prefill, decode = RouterExporter(), WorkerExporter("prefill"), WorkerExporter("decode")
     prefill.queue_depth.set(3)
     decode.queue_depth.set(7)
+    prefill.kv_utilization.set(0.9)  # not read: KV usage is the decode pool's
+    decode.kv_utilization.set(0.25)
     router.before_scrape = Traffic(router).catch_up
     workdir = tmp_path_factory.mktemp("prometheus")
     targets = ", ".join(f"'127.0.0.1:{e.port}'" for e in (router, prefill, decode))
@@ -204,6 +206,7 @@ def measured_fields(observation: Observation) -> dict[str, object]:
         "ttft_p99_s",
         "tpot_p99_s",
         "prefill_queue_depth",
+        "kv_usage_fraction",
     )
     return {name: getattr(observation, name) for name in names}
 
@@ -229,6 +232,7 @@ def test_the_measurements_match_the_driven_traffic(stack: Stack) -> None:
     assert observation.interarrival_scv is not None
     assert observation.interarrival_scv < 0.2
     assert observation.prefill_queue_depth == 3
+    assert observation.kv_usage_fraction == 0.25
 
 
 @needs_prometheus
