@@ -7,6 +7,7 @@
         --prefill-port 9400 --decode-port 9500
     sara controller --actuator kubernetes --namespace llm --prefill-deployment prefill \\
         --decode-deployment decode --metrics-source prometheus http://prometheus:9090
+    sara controller --metrics-flavor vllm --metrics-source prometheus http://prometheus:9090
 
 The config lives in ``STATE_DIR/config.json`` (the document ``GET /v1/config``
 returns); ``--config FILE`` seeds it when the state directory has none yet, so REST
@@ -29,7 +30,7 @@ from cli.common import UsageError
 from cli.runtime import run_with_api
 from controller.actuator import Actuator
 from controller.closing import close_if_closable
-from controller.config import ConfigError, ControllerConfig
+from controller.config import ConfigError, ControllerConfig, MetricsFlavor
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
 from controller.observation import ObservationSource
@@ -62,13 +63,35 @@ def _store(args: argparse.Namespace) -> FileConfigStore:
         raise UsageError(f"--config: {exc}") from exc
 
 
+def _with_flavor(store: FileConfigStore, flavor: str | None) -> ControllerConfig:
+    """The stored config, its metrics flavour set to ``--metrics-flavor`` when given
+    (written to the store, so that ``GET /v1/config`` shows what is queried)."""
+    current = store.load()
+    config = current.config
+    if flavor is None or config.metrics.flavor.value == flavor:
+        return config
+    try:
+        changed = config.merged({"metrics": {"flavor": flavor}})
+    except ConfigError as exc:
+        raise UsageError(f"--metrics-flavor: {exc}") from exc
+    return store.replace(changed, expected_version=current.version).config
+
+
 def _source(args: argparse.Namespace, config: ControllerConfig) -> ObservationSource:
     kind, *targets = args.metrics_source
     if kind == "prometheus" and len(targets) == 1:
         from controller.sources.prometheus import PrometheusSource
 
         return PrometheusSource(
-            targets[0], window_s=config.window_s, burst_window_s=config.burst_window_s
+            targets[0],
+            window_s=config.window_s,
+            burst_window_s=config.burst_window_s,
+            metrics=config.metrics,
+        )
+    if kind == "scrape" and config.metrics.flavor is not MetricsFlavor.SARA:
+        raise UsageError(
+            f"--metrics-flavor: the scrape source reads SARA's own metrics only, got "
+            f"{config.metrics.flavor.value!r} (use --metrics-source prometheus URL)"
         )
     if kind == "scrape" and targets:
         from controller.sources.scrape import ScrapeSource
@@ -144,7 +167,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     host, port = common.parse_listen("--listen", args.listen)
     store = _store(args)
-    config = store.load().config
+    config = _with_flavor(store, args.metrics_flavor)
     source = _source(args, config)
     actuator = _actuator(args)
     try:
@@ -188,6 +211,12 @@ def register(sub: Any) -> None:
         default=["prometheus", "http://127.0.0.1:9090"],
         metavar="KIND",
         help="'prometheus URL' or 'scrape URL[,URL...]'",
+    )
+    p.add_argument(
+        "--metrics-flavor",
+        choices=[flavor.value for flavor in MetricsFlavor if flavor is not MetricsFlavor.CUSTOM],
+        help="whose metric names Prometheus holds: sara (default), vllm or sglang; sets "
+        "metrics.flavor in the stored config (custom: set the templates through --config)",
     )
     p.add_argument(
         "--prefill-command",

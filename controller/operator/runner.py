@@ -37,7 +37,7 @@ from controller import crd
 from controller.actuator import Actuator
 from controller.actuators.kubernetes import KubernetesActuator
 from controller.closing import close_if_closable
-from controller.config import ConfigError, ControllerConfig
+from controller.config import ConfigError, ControllerConfig, MetricsConfig
 from controller.loop import ControlLoop
 from controller.metrics import ControllerMetrics
 from controller.observation import ObservationSource
@@ -84,6 +84,7 @@ class _Bindings:
     metrics: crd.MetricsSpec
     window_s: float
     burst_window_s: float
+    metrics_config: MetricsConfig
 
     @classmethod
     def of(cls, spec: crd.AutoscalerSpec) -> _Bindings:
@@ -93,6 +94,7 @@ class _Bindings:
             metrics=spec.metrics,
             window_s=spec.config.window_s,
             burst_window_s=spec.config.burst_window_s,
+            metrics_config=spec.config.metrics,
         )
 
 
@@ -115,6 +117,7 @@ def prometheus_source(spec: crd.AutoscalerSpec) -> ObservationSource:
         window_s=spec.config.window_s,
         burst_window_s=spec.config.burst_window_s,
         selector=spec.metrics.selector,
+        metrics=spec.config.metrics,
     )
 
 
