@@ -117,6 +117,30 @@ _MODELS = (
         dtype_bytes=2,
         source="Hugging Face meta-llama/Llama-2-70b-hf config.json, FP16",
     ),
+    ModelShape(
+        name="llama-3.1-8b",
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_context_tokens=131072,
+        dtype_bytes=2,
+        source="Hugging Face meta-llama/Llama-3.1-8B config.json (rope_scaling llama3), BF16",
+    ),
+    ModelShape(
+        name="llama-3.1-70b",
+        num_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_kv_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+        max_context_tokens=131072,
+        dtype_bytes=2,
+        source="Hugging Face meta-llama/Llama-3.1-70B config.json (rope_scaling llama3), BF16",
+    ),
 )
 
 GPUS: Mapping[str, GpuSpec] = MappingProxyType({gpu.name: gpu for gpu in _GPUS})
@@ -131,6 +155,8 @@ _BUILDS = (
     ("llama-3-8b", 1),
     ("mistral-7b", 1),
     ("llama-2-70b", 4),
+    ("llama-3.1-8b", 1),
+    ("llama-3.1-70b", 4),
 )
 
 

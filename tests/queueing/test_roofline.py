@@ -27,7 +27,7 @@ from queueing.hardware import GpuSpec, ModelShape
 from queueing.profile import IterationProfile, ProfileError, attention_pairs
 from queueing.roofline import DEFAULT_EFFICIENCY, Efficiency, roofline_profile
 
-SMALL_MODELS = ("llama-2-7b", "llama-3-8b", "mistral-7b")
+SMALL_MODELS = ("llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3.1-8b")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "profiles.md"
 
 
@@ -340,7 +340,14 @@ def test_the_profile_is_named_and_sourced_after_its_model_and_gpu() -> None:
 
 def test_the_catalogue_is_keyed_by_name_and_read_only() -> None:
     assert set(GPUS) == {"a100-80g", "h100-sxm", "h200", "l40s"}
-    assert set(MODELS) == {"llama-2-7b", "llama-3-8b", "mistral-7b", "llama-2-70b"}
+    assert set(MODELS) == {
+        "llama-2-7b",
+        "llama-3-8b",
+        "mistral-7b",
+        "llama-2-70b",
+        "llama-3.1-8b",
+        "llama-3.1-70b",
+    }
     assert all(key == gpu.name for key, gpu in GPUS.items())
     assert all(key == model.name for key, model in MODELS.items())
     with pytest.raises(TypeError):
@@ -349,7 +356,7 @@ def test_the_catalogue_is_keyed_by_name_and_read_only() -> None:
 
 def test_builtin_profiles_cover_every_small_model_on_every_gpu_and_70b_on_four() -> None:
     expected = {f"{model}@{gpu}" for model in SMALL_MODELS for gpu in GPUS}
-    expected |= {f"llama-2-70b-tp4@{gpu}" for gpu in GPUS}
+    expected |= {f"{model}-tp4@{gpu}" for model in ("llama-2-70b", "llama-3.1-70b") for gpu in GPUS}
     profiles = builtin_profiles()
     assert set(profiles) == expected
     assert all(name == profile.name for name, profile in profiles.items())
