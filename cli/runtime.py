@@ -74,14 +74,21 @@ def run_with_api(loop: ControlLoop, *, token: str | None, host: str, port: int) 
     """The control loop in a thread, its REST API in this one, until SIGTERM/SIGINT."""
     from controller.api import create_app
     from controller.http_server import serve_http
+    from controller.profiles import ProfileSources
 
+    # A profile written over the API: a built-in, or a file where sara keeps the
+    # profiles it measured, or beside the one the controller was started with.
+    profiles = ProfileSources(directories=(DEFAULT_MODEL_CACHE / "profiles",)).with_file_of(
+        loop.store.load().config.profile
+    )
     app = create_app(
         store=loop.store,
         status=loop.status,
         decisions=loop.decisions,
-        ready=loop.ready,
+        ready=loop.readiness,
         metrics=loop.metrics.exposition,
         api_token=token,
+        profiles=profiles,
     )
     stop = threading.Event()
     worker = threading.Thread(target=loop.run, args=(stop,), name="sara-control-loop", daemon=True)

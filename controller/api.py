@@ -36,7 +36,9 @@ from starlette.routing import Route
 
 from controller.config import ConfigError, ControllerConfig, knob_fields
 from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from controller.profiles import ProfileSources
 from controller.store import ConfigStore, VersionConflictError, VersionedConfig
+from queueing.profile import ProfileError
 
 TOKEN_ENV_VAR = "SARA_API_TOKEN"
 DEFAULT_DECISIONS_LIMIT = 50
@@ -154,12 +156,18 @@ def create_app(
     store: ConfigStore,
     status: Callable[[], Mapping[str, Any]],
     decisions: Callable[[int], Sequence[Mapping[str, Any]]],
-    ready: Callable[[], bool],
+    ready: Callable[[], tuple[bool, str]],
     metrics: Callable[[], bytes],
     api_token: str | None,
     open_reads: bool = True,
+    profiles: ProfileSources = ProfileSources(),  # noqa: B008 (frozen, immutable)
 ) -> FastAPI:
     """The controller's FastAPI app over ``store`` and the loop's read-outs.
+
+    ``ready`` says whether the loop serves, and why not. ``profiles`` is where a
+    written config may take its ``profile`` from (built-ins only by default): a new
+    profile is loaded before the config is stored, so a name that is not a profile,
+    or a file outside those directories, is a 422 and the config stays as it was.
 
     With ``api_token=None`` the config cannot be changed through the API (PUT and
     PATCH answer 403). ``open_reads=False`` puts the reads (config, status,
@@ -236,6 +244,7 @@ def create_app(
         """Replace the whole document (fields left out take their defaults)."""
         config = body.to_config()
         current = store.load()
+        _check_profile(profiles, config, current.config)
         try:
             return document(
                 store.replace(config, expected_version=_expected_version(if_match, current))
@@ -260,6 +269,7 @@ def create_app(
             current = store.load()
             expected = _expected_version(if_match, current)
             config = current.config.merged(patch)
+            _check_profile(profiles, config, current.config)
             try:
                 # Always conditional on the version merged onto, so a concurrent write
                 # is never lost: without If-Match the patch is merged again onto it.
@@ -309,10 +319,12 @@ def create_app(
         tags=["probes"],
     )
     def readyz() -> JSONResponse:
-        """Readiness: 200 once the loop can serve, 503 before."""
-        if ready():
+        """Readiness: 200 while the loop's latest tick succeeded; 503 with the reason
+        before the first tick and after a failed one."""
+        ok, reason = ready()
+        if ok:
             return JSONResponse({"status": "ready"})
-        return JSONResponse({"detail": "not ready"}, status_code=503)
+        return JSONResponse({"detail": f"not ready: {reason}"}, status_code=503)
 
     @app.get(
         "/metrics",
@@ -416,6 +428,18 @@ def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
 # --------------------------------------------------------------------------------------
 # Errors and versions
 # --------------------------------------------------------------------------------------
+
+
+def _check_profile(
+    profiles: ProfileSources, config: ControllerConfig, current: ControllerConfig
+) -> None:
+    """A new ``profile`` must load from ``profiles``; an unchanged one was admitted."""
+    if config.profile == current.profile:
+        return
+    try:
+        profiles.load(config.profile)
+    except ProfileError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _expected_version(if_match: str | None, current: VersionedConfig) -> str | None:

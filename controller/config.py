@@ -251,12 +251,14 @@ class PoolLimits:
         default=1,
         unit="workers",
         ge=0,
+        le=100_000,
         doc="Fewest workers the controller keeps (0 lets the pool scale to zero).",
     )
     max_replicas: int = knob(
         default=64,
         unit="workers",
         ge=1,
+        le=100_000,
         doc="Most workers the controller asks for; at least min_replicas.",
     )
 
@@ -276,12 +278,14 @@ class SloConfig:
         default=2.0,
         unit="s",
         gt=0,
+        le=3_600,
         doc="Target P99 time to first token, seconds (sizes the prefill pool).",
     )
     tpot_p99_s: float = knob(
         default=0.1,
         unit="s",
         gt=0,
+        le=60,
         doc="Target P99 time per output token, seconds (sizes the decode pool).",
     )
 
@@ -309,6 +313,7 @@ class CalibrationConfig:
     max_factor: float = knob(
         default=2.0,
         ge=1,
+        le=100,
         doc="Largest correction factor applied to a prediction.",
     )
 
@@ -329,45 +334,53 @@ class ForecastConfig:
         default=130.0,
         unit="s",
         gt=0,
+        le=86_400,
         doc="How far ahead the rate matters, seconds: a worker's start-up time plus one tick.",
     )
     trend_window_s: float = knob(
         default=300.0,
         unit="s",
         gt=0,
+        le=604_800,
         doc="The recent past the trend is fitted over, seconds; at least 3 bins of bin_s.",
     )
     bin_s: float = knob(
         default=30.0,
         unit="s",
         gt=0,
+        le=86_400,
         doc="Width of the rate bins the trend is fitted to, seconds.",
     )
     min_t_stat: float = knob(
         default=2.0,
         ge=0,
+        le=1_000,
         doc="A trend counts only when its slope's t statistic reaches this.",
     )
     min_rise: float = knob(
         default=0.05,
         ge=0,
+        le=100,
         doc="A trend counts only when it adds at least this fraction of the rate over the horizon.",
     )
     period_s: float = knob(
         default=86400.0,
         unit="s",
         gt=0,
+        le=604_800,
         doc="Period of the daily cycle, seconds.",
     )
     seasonal_smoothing_s: float = knob(
         default=300.0,
         unit="s",
         gt=0,
+        le=86_400,
         doc="Width of the window a past period's rate is read over, seconds.",
     )
     max_level_ratio: float = knob(
         default=2.0,
         ge=1,
+        le=1_000,
         doc="Bound on today's level over the last period's (and its inverse) when "
         "scaling the cycle.",
     )
@@ -506,7 +519,8 @@ class ControllerConfig:
         default="llama-3-8b@h100-sxm",
         min_length=1,
         doc="Iteration-time profile of one worker (model, GPU, tensor parallelism): a "
-        "built-in name (`sara profiles` lists them) or a profile JSON path; a cluster "
+        "built-in name (`sara profiles` lists them) or a profile JSON path (over the "
+        "REST API: one under an allowed profile directory that parses); a cluster "
         "takes only built-in names.",
     )
     slo: SloConfig = knob(default_factory=SloConfig, doc="The SLOs.")  # noqa: RUF009
@@ -516,17 +530,25 @@ class ControllerConfig:
         lt=10,
         doc="Plan for SLO / (1 + headroom): 0.15 sizes for 87 % of each target.",
     )
-    interval_s: float = knob(default=30.0, unit="s", gt=0, doc="Seconds between control ticks.")
+    interval_s: float = knob(
+        default=30.0,
+        unit="s",
+        gt=0,
+        le=3_600,
+        doc="Seconds between control ticks.",
+    )
     window_s: float = knob(
         default=30.0,
         unit="s",
         gt=0,
+        le=3_600,
         doc="Measurement window of the rates and quantiles, seconds.",
     )
     stale_after_s: float = knob(
         default=90.0,
         unit="s",
         gt=0,
+        le=86_400,
         doc="Observations older than this (seconds) are stale: the tick holds the "
         "replicas (never scales down on missing data). At least window_s.",
     )
@@ -541,11 +563,13 @@ class ControllerConfig:
         default=5.0,
         unit="s",
         gt=0,
+        le=3_600,
         doc="Short window for burst detection, seconds.",
     )
     burst_ratio: float = knob(
         default=1.5,
         gt=1,
+        le=100,
         doc="A short-window rate above burst_ratio * EMA bypasses smoothing upward.",
     )
     dead_band: float = knob(
@@ -557,24 +581,28 @@ class ControllerConfig:
     max_step_fraction: float = knob(
         default=0.5,
         gt=0,
+        le=100,
         doc="Largest change per tick as a fraction of current replicas (at least 1).",
     )
     scale_up_cooldown_s: float = knob(
         default=30.0,
         unit="s",
         ge=0,
+        le=86_400,
         doc="After a change, seconds before the next scale-up.",
     )
     scale_down_cooldown_s: float = knob(
         default=120.0,
         unit="s",
         ge=0,
+        le=86_400,
         doc="After a change, seconds before the next scale-down.",
     )
     scale_down_stabilisation_s: float = knob(
         default=300.0,
         unit="s",
         ge=0,
+        le=86_400,
         doc="A lower target must hold this many seconds before scaling down; the pool "
         "then shrinks to the highest target seen in that window.",
     )
@@ -582,6 +610,7 @@ class ControllerConfig:
         default=400.0,
         unit="Gbit/s",
         gt=0,
+        le=100_000,
         doc="KV-cache transfer bandwidth between the pools, Gbit/s.",
     )
     prefill: PoolLimits = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
@@ -596,6 +625,7 @@ class ControllerConfig:
         default=None,
         unit="GPUs",
         ge=1,
+        le=1_000_000,
         doc="GPUs both pools may use together (a worker uses the profile's "
         "tensor-parallel degree of GPUs); unset (null): unlimited. At least "
         "prefill.min_replicas + decode.min_replicas.",

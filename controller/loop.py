@@ -136,6 +136,7 @@ class ControlLoop:
     def _record(self, record: TickRecord) -> TickRecord:
         with self._lock:
             self._history.append(record)
+        self.metrics.record_outcome(failed=record.error is not None)
         line = {"event": "tick", **record.as_dict()}
         if record.error:
             log.warning(json.dumps(line, default=str))
@@ -176,10 +177,23 @@ class ControlLoop:
             )
         return out
 
-    def ready(self) -> bool:
-        """Ready once a tick has completed without an actuator or profile error."""
+    def readiness(self) -> tuple[bool, str]:
+        """Ready while the latest tick succeeded; else not, with that tick's error.
+
+        A controller whose ticks fail scales nothing: a killed worker is not
+        replaced. Saying so on ``/readyz`` (and ``sara_controller_tick_failing``)
+        turns a silent stop into one that probes and alerts see within a tick.
+        """
         with self._lock:
-            return any(r.decision is not None for r in self._history)
+            last = self._history[-1] if self._history else None
+        if last is None:
+            return False, "no control tick has completed yet"
+        if last.error is not None:
+            return False, f"the latest tick failed: {last.error}"
+        return True, "ready"
+
+    def ready(self) -> bool:
+        return self.readiness()[0]
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -189,7 +203,20 @@ class ControlLoop:
             started = self.clock()
             try:
                 self.tick()
-            except Exception:  # the loop must survive one bad tick; the error is logged
+            except Exception as exc:  # the loop must survive one bad tick
                 log.exception("tick failed")
+                try:
+                    version = self.store.load().version
+                except Exception:  # the store may be what failed
+                    version = "unknown"
+                self._record(
+                    TickRecord(
+                        time_s=started,
+                        config_version=version,
+                        decision=None,
+                        applied=False,
+                        error=f"tick: {type(exc).__name__}: {exc}",
+                    )
+                )
             interval = self.store.load().config.interval_s
             stop.wait(max(0.0, interval - (self.clock() - started)))

@@ -24,6 +24,10 @@ Metrics (``pool`` is ``prefill`` or ``decode``):
   each pool's target.
 - ``sara_controller_solve_seconds``: time of one solve (histogram, 100 µs to 100 ms).
 - ``sara_controller_model_error_ratio{pool}``: observed / predicted P99.
+- ``sara_controller_tick_failing``: 1 while the latest tick failed (its error is on
+  ``/readyz`` and ``/v1/status``), 0 after one that succeeded; the alert's input.
+- ``sara_controller_tick_failures_total``: ticks that failed (actuator, profile, or
+  any other error).
 """
 
 from __future__ import annotations
@@ -109,6 +113,16 @@ class ControllerMetrics:
             ["pool"],
             registry=self.registry,
         )
+        self.tick_failing = Gauge(
+            "sara_controller_tick_failing",
+            "1 while the latest control tick failed, 0 after one that succeeded.",
+            registry=self.registry,
+        )
+        self.tick_failures = Counter(
+            "sara_controller_tick_failures",
+            "Control ticks that failed (actuator, profile or any other error).",
+            registry=self.registry,
+        )
         for gauge in self._pool_gauges():
             for pool in POOLS:
                 gauge.labels(pool=pool).set(math.nan)
@@ -170,6 +184,12 @@ class ControllerMetrics:
             self.decisions.labels(pool=pool, reason=reason).inc()
         if solve_s is not None:
             self.solve_seconds.observe(solve_s)
+
+    def record_outcome(self, *, failed: bool) -> None:
+        """Whether the latest tick failed (the alert follows ``tick_failing``)."""
+        self.tick_failing.set(1.0 if failed else 0.0)
+        if failed:
+            self.tick_failures.inc()
 
     def record_decision(self, decision: Decision, *, solve_s: float | None) -> None:
         """Publish one tick's decision (``record_tick`` with its per-pool values)."""

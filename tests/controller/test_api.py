@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from controller.api import ConfigDocument, create_app, load_api_token
 from controller.config import ConfigError, ControllerConfig
+from controller.profiles import ProfileSources
 from controller.schema import config_fields_markdown
 from controller.store import (
     ConfigStore,
@@ -26,6 +27,7 @@ from controller.store import (
     MemoryConfigStore,
     VersionedConfig,
 )
+from queueing.catalog import resolve_profile
 
 with warnings.catch_warnings():
     # Starlette's TestClient says it will move from httpx to httpx2: nothing to act on here.
@@ -43,6 +45,7 @@ class Loop:
     """Stands in for the control loop's read-outs."""
 
     ready: bool = True
+    not_ready_reason: str = "the latest tick failed: actuator: no such deployment"
     status: dict[str, Any] = field(default_factory=lambda: {"mode": "active", "tick": 7})
     asked_limits: list[int] = field(default_factory=list)
 
@@ -57,16 +60,18 @@ def make_app(
     *,
     api_token: str | None = TOKEN,
     open_reads: bool = True,
+    profiles: ProfileSources = ProfileSources(),  # noqa: B008 (frozen)
 ) -> FastAPI:
     loop = Loop() if loop is None else loop
     return create_app(
         store=store,
         status=lambda: loop.status,
         decisions=loop.decisions,
-        ready=lambda: loop.ready,
+        ready=lambda: (loop.ready, "ready" if loop.ready else loop.not_ready_reason),
         metrics=lambda: b"# HELP x y\n# TYPE x gauge\nx 1.0\n",
         api_token=api_token,
         open_reads=open_reads,
+        profiles=profiles,
     )
 
 
@@ -282,6 +287,25 @@ INVALID: list[tuple[str, str, Any, list[str | int], str]] = [
     ("object for a number", "PUT", {"interval_s": {"value": 3}}, ["body", "interval_s"], ""),
     ("unknown mode", "PATCH", {"mode": "aggressive"}, ["body", "mode"], ""),
     ("empty profile", "PUT", {"profile": ""}, ["body", "profile"], ""),
+    ("unknown profile", "PATCH", {"profile": "nope"}, ["body", "profile"], ""),
+    (
+        "a file outside the profile directories",
+        "PATCH",
+        {"profile": "/etc/passwd"},
+        ["body", "profile"],
+        "",
+    ),
+    ("a JSON file outside them", "PUT", {"profile": "/etc/sara/p.json"}, ["body", "profile"], ""),
+    ("an absurd GPU budget", "PATCH", {"gpu_budget": 10**30}, ["body", "gpu_budget"], ""),
+    ("a float GPU budget", "PATCH", {"gpu_budget": 1e30}, ["body", "gpu_budget"], ""),
+    ("a week-long tick", "PATCH", {"interval_s": 7 * 86400.0}, ["body", "interval_s"], ""),
+    (
+        "replicas past any cluster",
+        "PATCH",
+        {"decode": {"max_replicas": 10**9}},
+        ["body", "decode", "max_replicas"],
+        "",
+    ),
     ("budget below the minimums", "PUT", {"gpu_budget": 1}, ["body", "gpu_budget"], ""),
     (
         "budget below raised minimums",
@@ -542,10 +566,41 @@ def test_healthz_says_ok(client: TestClient) -> None:
     assert (response.status_code, response.json()) == (200, {"status": "ok"})
 
 
-def test_readyz_follows_the_loop(client: TestClient, loop: Loop) -> None:
+def test_readyz_follows_the_loop_and_says_why_it_is_not_ready(
+    client: TestClient, loop: Loop
+) -> None:
     assert client.get("/readyz").status_code == 200
     loop.ready = False
-    assert client.get("/readyz").status_code == 503
+    response = client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json() == {"detail": f"not ready: {loop.not_ready_reason}"}
+
+
+def test_a_profile_file_under_an_allowed_directory_is_taken_only_if_it_parses(
+    tmp_path: Path, path: Path
+) -> None:
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    good = profiles / "measured.json"
+    good.write_text(resolve_profile("llama-3-8b@a100-80g").to_json(), encoding="utf-8")
+    (profiles / "broken.json").write_text("{not json", encoding="utf-8")
+    (tmp_path / "outside.json").write_text(good.read_text(), encoding="utf-8")
+    app = make_app(FileConfigStore(path), profiles=ProfileSources(directories=(profiles,)))
+    with TestClient(app) as client:
+        ok = client.patch("/v1/config", json={"profile": str(good)}, headers=AUTH)
+        assert ok.status_code == 200 and ok.json()["profile"] == str(good)
+        before = snapshot(client)
+        for spec in (
+            str(profiles / "broken.json"),
+            str(profiles / ".." / "outside.json"),  # resolved before it is checked
+            str(profiles / "absent.json"),
+        ):
+            response = client.patch("/v1/config", json={"profile": spec}, headers=AUTH)
+            assert response.status_code == 422, (spec, response.text)
+            (problem,) = response.json()["detail"]
+            assert problem["loc"] == ["body", "profile"]
+            assert problem["msg"].startswith("profile: ")
+            assert snapshot(client) == before
 
 
 def test_metrics_are_served_as_prometheus_text(client: TestClient) -> None:

@@ -3,6 +3,7 @@ restart, actuator failures reported, history and metrics published."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -227,3 +228,59 @@ def test_without_a_configured_forecaster_the_loop_never_forecasts(tmp_path: Path
         record = loop.tick()
         clock.now += 30
         assert record.decision is not None and record.decision.forecast_rate_rps is None
+
+
+def metric(loop: ControlLoop, name: str) -> float:
+    value = loop.metrics.registry.get_sample_value(name)
+    assert value is not None, name
+    return value
+
+
+def test_a_failed_tick_makes_the_loop_not_ready_with_its_reason_and_raises_the_alert(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    actuator = IdealActuator(1, 1)
+    store = MemoryConfigStore(CONFIG)
+    loop = make_loop(tmp_path, clock, FixedRateSource(clock, 40.0), actuator, store)
+    assert loop.readiness() == (False, "no control tick has completed yet")
+    loop.tick()
+    assert loop.readiness() == (True, "ready")
+    assert metric(loop, "sara_controller_tick_failing") == 0
+    # A profile file that went bad after it was admitted: the very next tick says so.
+    bad = tmp_path / "profile.json"
+    bad.write_text("{not json", encoding="utf-8")
+    store.replace(replace(CONFIG, profile=str(bad)), expected_version=None)
+    clock.now += 30
+    loop.tick()
+    ready, reason = loop.readiness()
+    assert not ready and reason.startswith("the latest tick failed: profile: ")
+    assert metric(loop, "sara_controller_tick_failing") == 1
+    assert metric(loop, "sara_controller_tick_failures_total") == 1
+    store.replace(CONFIG, expected_version=None)
+    clock.now += 30
+    loop.tick()
+    assert loop.readiness() == (True, "ready")
+    assert metric(loop, "sara_controller_tick_failing") == 0
+
+
+def test_a_tick_that_raises_is_recorded_as_failed_and_the_loop_goes_on(tmp_path: Path) -> None:
+    clock = Clock()
+
+    class Broken(FixedRateSource):
+        def observe(self, **kwargs: object) -> Observation:
+            raise RuntimeError("the source fell over")
+
+    loop = make_loop(tmp_path, clock, Broken(clock, 1.0), IdealActuator(1, 1))
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,))
+    thread.start()
+    try:
+        while not loop.decisions(1):
+            pass
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    ready, reason = loop.readiness()
+    assert not ready and "RuntimeError: the source fell over" in reason
+    assert metric(loop, "sara_controller_tick_failing") == 1
