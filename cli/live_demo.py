@@ -2,20 +2,28 @@
 
 0. Plans capacity for the bundled Azure conversation trace and checks the plan in
    the simulator (the table of ``cli.demo``, a few seconds).
-1. Generates a small Llama (random weights, ~8 M parameters) and measures its
-   iteration-time profile on this CPU (`sara profile`, a reduced grid).
-2. Starts `sara serve` with it: a private Redis, the router, one prefill and one
-   decode worker, and the controller with the local actuator (SLOs: P99 TTFT
-   ``--ttft-p99`` s, P99 TPOT ``--tpot-p99`` s; a short control interval so that the
-   demo fits in minutes).
-3. Replays the Azure conversation trace with `sara load` in three phases — calm,
-   burst, calm — with lengths scaled by ``--length-scale`` to the model's context,
-   printing a progress line every few seconds: offered rate, replicas per pool
-   (current → desired), and the P99s the controller observes against the SLOs.
-4. Prints a summary table per phase and writes a PNG plot of load, replicas and
-   P99s over time; stops the stack, and checks that no process it started is left.
+1. Cuts a segment out of the Azure conversation trace — calm, burst, calm: three
+   consecutive stretches of the trace, thinned or copied to ``--calm-rate`` and
+   ``--burst-rate`` times its rate (``sim.workload.scale_rate``) — at a scale that
+   needs several workers per pool on the profile (default Llama-2-70B TP4 on A100).
+2. Starts `sara serve --engine emulated`: a private Redis, the router, one prefill
+   and one decode worker whose every step lasts what the profile says
+   (``workers.emulated``), and the controller with the local actuator, observing
+   through a real Prometheus that scrapes the router when one is installed, by
+   scraping the router itself otherwise.
+3. Replays the segment phase by phase with `sara load`, printing a progress line
+   every few seconds: offered rate, workers per pool (current → desired), the P99s
+   the controller observes against the SLOs.
+4. Replays the same requests, at the times they were sent, in the simulator with the
+   same controller config and profile (``sim.control.run_controlled``), and prints
+   the two side by side per phase: attainment, P99 TTFT/TPOT, workers.
+5. Writes a plot of load, workers and P99s (live and simulated), stops the stack and
+   checks that no process it started is left.
 
-    python -m cli.live_demo [--out DIR] [--calm-s 40] [--burst-s 75] ...
+``--engine torch`` runs the earlier demo instead: a small Llama in PyTorch on this
+CPU, its profile measured first (`make demo-torch`).
+
+    python -m cli.live_demo [--out DIR] [--calm-s 50] [--burst-s 110] ...
 """
 
 from __future__ import annotations
@@ -47,6 +55,18 @@ DEMO_MODEL = {
     "max_position_embeddings": 2048,
 }
 POLL_S = 2.0
+EMULATED_PROFILE = "llama-2-70b-tp4@a100-80g"
+# A 70B TP4 worker takes ~99 s to start (the profile's startup_s); the demo compresses
+# it to fit in minutes, and the simulator replays with the same startup.
+EMULATED_STARTUP_S = 5.0
+EMULATED_DEFAULTS: dict[str, Any] = {
+    "ttft_p99": 2.0, "tpot_p99": 0.1, "calm_rate": 0.3, "burst_rate": 2.0,
+    "calm_s": 50.0, "burst_s": 120.0, "after_s": 80.0,
+}  # fmt: skip
+TORCH_DEFAULTS: dict[str, Any] = {
+    "ttft_p99": 0.8, "tpot_p99": 0.05, "calm_rate": 0.2, "burst_rate": 1.0,
+    "calm_s": 40.0, "burst_s": 75.0, "after_s": 80.0,
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,9 +105,23 @@ def prepare_model(work: Path) -> tuple[Path, Path]:
     print("measuring the model's iteration-time profile on this CPU (about 30 s)...", flush=True)
     subprocess.run(
         _cli(
-            "profile", "--model", str(model_dir), "--device", "cpu", "--out", str(profile),
-            "--repeats", "5", "--refine", "1", "--budget-grid", "0,64,256",
-            "--batch-grid", "0,8,32", "--context-grid", "256,1024",
+            "profile",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--out",
+            str(profile),
+            "--repeats",
+            "5",
+            "--refine",
+            "1",
+            "--budget-grid",
+            "0,64,256",
+            "--batch-grid",
+            "0,8,32",
+            "--context-grid",
+            "256,1024",
         ),
         check=True,
         stdout=sys.stdout,
@@ -168,12 +202,27 @@ def run_phases(
         timeline.phase_at.append((time.monotonic() - t0, phase.name))
         out = subprocess.run(
             _cli(
-                "load", "--url", router, "--trace", str(TRACE),
-                "--rate-scale", str(phase.rate_scale), "--duration-s", str(phase.duration_s),
-                "--length-scale", str(args.length_scale), "--fit-context",
-                "--max-output-tokens", str(args.max_output_tokens),
-                "--ttft-slo", str(args.ttft_p99), "--tpot-slo", str(args.tpot_p99),
-                "--seed", str(len(reports)), "--json",
+                "load",
+                "--url",
+                router,
+                "--trace",
+                str(TRACE),
+                "--rate-scale",
+                str(phase.rate_scale),
+                "--duration-s",
+                str(phase.duration_s),
+                "--length-scale",
+                str(args.length_scale),
+                "--fit-context",
+                "--max-output-tokens",
+                str(args.max_output_tokens),
+                "--ttft-slo",
+                str(args.ttft_p99),
+                "--tpot-slo",
+                str(args.tpot_p99),
+                "--seed",
+                str(len(reports)),
+                "--json",
             ),
             capture_output=True,
             text=True,
@@ -271,17 +320,38 @@ def leftovers(marker: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=("emulated", "torch"), default="emulated")
     parser.add_argument("--out", default="demo-out", help="where the plot and logs go")
-    parser.add_argument("--ttft-p99", type=float, default=0.8, help="TTFT SLO (s)")
-    parser.add_argument("--tpot-p99", type=float, default=0.05, help="TPOT SLO (s)")
-    parser.add_argument("--calm-rate", type=float, default=0.2, help="rate scale when calm")
-    parser.add_argument("--burst-rate", type=float, default=1.0, help="rate scale in the burst")
-    parser.add_argument("--calm-s", type=float, default=40.0)
-    parser.add_argument("--burst-s", type=float, default=75.0)
-    parser.add_argument("--after-s", type=float, default=80.0)
-    parser.add_argument("--length-scale", type=float, default=0.25)
-    parser.add_argument("--max-output-tokens", type=int, default=128)
+    parser.add_argument("--ttft-p99", type=float, help="TTFT SLO (s; emulated 2, torch 0.8)")
+    parser.add_argument("--tpot-p99", type=float, help="TPOT SLO (s; emulated 0.1, torch 0.05)")
+    parser.add_argument("--calm-rate", type=float, help="rate scale when calm")
+    parser.add_argument("--burst-rate", type=float, help="rate scale in the burst")
+    parser.add_argument("--calm-s", type=float)
+    parser.add_argument("--burst-s", type=float)
+    parser.add_argument("--after-s", type=float)
+    parser.add_argument("--length-scale", type=float, default=0.25, help="torch: lengths x")
+    parser.add_argument("--max-output-tokens", type=int, default=128, help="torch: output cap")
+    parser.add_argument("--profile", default=EMULATED_PROFILE, help="emulated: the profile")
+    parser.add_argument(
+        "--startup-s", type=float, default=EMULATED_STARTUP_S, help="emulated: worker startup"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="emulated: the segment's draws")
+    parser.add_argument(
+        "--ramp-s", type=float, default=80.0, help="emulated: the burst builds up over this"
+    )
     args = parser.parse_args(argv)
+    defaults = EMULATED_DEFAULTS if args.engine == "emulated" else TORCH_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.engine == "emulated":
+        from cli.live_emulated import main_emulated
+
+        return main_emulated(args)
+    return main_torch(args)
+
+
+def main_torch(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     phases = [
@@ -307,11 +377,25 @@ def main(argv: list[str] | None = None) -> int:
         serve_log = (out / "serve.log").open("w")
         serve = subprocess.Popen(
             _cli(
-                "serve", "--model", str(model_dir), "--config", str(config_file),
-                "--state-dir", str(work / "state"), "--listen", f"127.0.0.1:{router_port}",
-                "--api-listen", f"127.0.0.1:{api_port}", "--token-budget", "256",
-                "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
-                "--grace-period-s", "20",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--config",
+                str(config_file),
+                "--state-dir",
+                str(work / "state"),
+                "--listen",
+                f"127.0.0.1:{router_port}",
+                "--api-listen",
+                f"127.0.0.1:{api_port}",
+                "--token-budget",
+                "256",
+                "--prefill-port",
+                str(free_port()),
+                "--decode-port",
+                str(free_port()),
+                "--grace-period-s",
+                "20",
             ),
             stdout=serve_log,
             stderr=subprocess.STDOUT,
@@ -346,9 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         f"whole demo {time.monotonic() - started:.0f} s"
     )
     print(
-        "processes left behind: none"
-        if not left
-        else f"processes left behind and killed: {left}"
+        "processes left behind: none" if not left else f"processes left behind and killed: {left}"
     )
     return 0 if not left else 1
 

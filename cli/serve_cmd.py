@@ -230,12 +230,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             for pool, limits in ((Pool.PREFILL, config.prefill), (Pool.DECODE, config.decode)):
                 actuator.scale(pool, max(limits.min_replicas, args.initial_replicas))
-            source = ScrapeSource(
+            source: Any = ScrapeSource(
                 [f"{router_url}/metrics"],
                 window_s=config.window_s,
                 burst_window_s=config.burst_window_s,
                 clock=time.time,
             )
+            if args.prometheus:  # a Prometheus that scrapes the router keeps the history
+                from controller.sources.prometheus import PrometheusSource
+
+                source = PrometheusSource(
+                    args.prometheus,
+                    window_s=config.window_s,
+                    burst_window_s=config.burst_window_s,
+                    scv_step_s=min(5.0, config.burst_window_s),
+                )
             metrics = ControllerMetrics()
             loop = ControlLoop(
                 store=store,
@@ -266,6 +275,11 @@ def register(sub: Any) -> None:
     p.add_argument("--state-dir", default=".sara/serve", metavar="DIR")
     p.add_argument("--config", metavar="FILE", help="controller config JSON (GET /v1/config)")
     p.add_argument("--profile", metavar="FILE|NAME", help="iteration-time profile")
+    p.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="observe through this Prometheus, which scrapes the router (default: scrape it)",
+    )
     p.add_argument("--ttft-p99-s", type=float, help="TTFT SLO (overrides the config)")
     p.add_argument("--tpot-p99-s", type=float, help="TPOT SLO (overrides the config)")
     p.add_argument("--initial-replicas", type=int, default=1, help="workers per pool at start")

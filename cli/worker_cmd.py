@@ -224,6 +224,17 @@ def _emulated_engine(
         ["pool"],
         registry=metrics.registry,
     ).labels(settings.pool.value)
+    overlap_s = Counter(
+        "sara_worker_emulated_overlap_seconds",
+        "Emulated engine: the worker's work between back-to-back steps that the emulated "
+        "accelerator overlapped (iteration + overlap seconds = the steps' cadence).",
+        ["pool"],
+        registry=metrics.registry,
+    ).labels(settings.pool.value)
+
+    def stepped(step_s: float, overlapped_s: float) -> None:
+        profile_s.inc(step_s)
+        overlap_s.inc(overlapped_s)
 
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -237,7 +248,7 @@ def _emulated_engine(
             max_running=settings.max_running,
             keep_finished_kv=True,
             kv_scale=args.kv_scale,
-            on_step=profile_s.inc,
+            on_step=stepped,
         )
     except (OSError, ValueError) as exc:
         field = "kv-scale" if str(exc).startswith("kv_scale") else "model"

@@ -11,9 +11,10 @@ replaced by time. Everything else is the real thing —
 - a step lasts ``profile.iteration_s`` of its plan's token counts (batched tokens,
   decode KV reads, prefill attention pairs: DESIGN §3.1). The duration is fixed when
   the step starts and the step then *sleeps until it is due* on the injected clock,
-  so the Python work of the step (planning, bookkeeping) is absorbed into it rather
-  than added, and a process descheduled by CPU contention catches up at the next
-  sleep instead of drifting;
+  so the Python work of the step (planning, bookkeeping) and of the worker between
+  back-to-back steps (see ``EmulatedEngine.step``) is absorbed into it rather than
+  added, and a process descheduled by CPU contention catches up at the next step
+  instead of drifting;
 - tokens are a deterministic function of (request key, token index): the key is the
   request's seed when it samples, a CRC-32 of its prompt when it is greedy. Any
   worker that continues a request therefore produces exactly the tokens another
@@ -146,10 +147,11 @@ class EmulatedEngine(Engine):
 
     ``profile`` times every step; ``model`` bounds requests (vocabulary, context);
     ``clock`` (monotonic seconds) and ``sleep`` are injected so that tests run it on
-    a fake clock. ``on_step`` is told each step's profile time (for the
-    ``sara_worker_emulated_profile_seconds_total`` metric: the worker's measured
-    iteration time over it is the emulation's accuracy). The other arguments are
-    ``Engine``'s.
+    a fake clock. ``on_step`` is told each step's profile time and how much of the
+    worker's work before it the step overlapped (``sara_worker_emulated_profile_seconds``
+    and ``sara_worker_emulated_overlap_seconds``: the worker's measured iteration time
+    plus the overlap, over the profile time, is the emulation's accuracy). The other
+    arguments are ``Engine``'s.
     """
 
     def __init__(
@@ -167,7 +169,7 @@ class EmulatedEngine(Engine):
         kv_scale: float = DEFAULT_KV_SCALE,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        on_step: Callable[[float], None] | None = None,
+        on_step: Callable[[float, float], None] | None = None,
         seed: int | None = None,
     ) -> None:
         # Engine.__init__ builds a torch model runner; this sets the same state without one.
@@ -196,6 +198,7 @@ class EmulatedEngine(Engine):
         self._clock = clock
         self._sleep = sleep
         self._on_step = on_step
+        self._last_due: float | None = None
         self._keys: dict[int, int] = {}
 
     @property
@@ -222,10 +225,18 @@ class EmulatedEngine(Engine):
         )
 
     def step(self) -> list[GeneratedToken]:
-        """One iteration: plan, generate, then sleep until the profile's time is up."""
-        started = self._clock()
+        """One iteration: plan, generate, then sleep until the profile's time is up.
+
+        Back-to-back steps keep the profile's cadence: when this step is asked for
+        less than its own duration after the previous one was due, it starts at that
+        due time — the worker's work in between (publishing tokens, reading streams)
+        ran while the emulated accelerator computed, as an engine that overlaps its
+        CPU work with the device's does — so that work is absorbed, not added.
+        """
+        entry = self._clock()
         plan = self.scheduler.schedule(self.waiting)
         if plan.is_empty:
+            self._last_due = None
             return []
         self.last_plan = plan
         step_s = self.step_s(
@@ -233,9 +244,13 @@ class EmulatedEngine(Engine):
             n_kv_read=plan.num_kv_read_tokens,
             n_attn_pairs=plan.num_attention_pairs,
         )
+        started, overlap_s = entry, 0.0
+        if self._last_due is not None and 0.0 <= entry - self._last_due < step_s:
+            started, overlap_s = self._last_due, entry - self._last_due
         due = started + step_s
+        self._last_due = due
         if self._on_step is not None:
-            self._on_step(step_s)
+            self._on_step(step_s, overlap_s)
         sampled = [self._requests[seq_id] for seq_id in plan.decode_seq_ids]
         for chunk in plan.prefill_chunks:
             req = self._requests[chunk.seq_id]
@@ -269,15 +284,18 @@ EMULATED_VOCAB_SIZE = 32_000
 EMULATED_CONTEXT_TOKENS = 8_192
 
 
-def model_card(
-    profile: IterationProfile, *, context_tokens: int = EMULATED_CONTEXT_TOKENS
-) -> dict[str, object]:
+def context_tokens(profile: IterationProfile) -> int:
+    """An emulated model's context: the profile's model's, else ``EMULATED_CONTEXT_TOKENS``."""
+    return profile.max_context_tokens or EMULATED_CONTEXT_TOKENS
+
+
+def model_card(profile: IterationProfile) -> dict[str, object]:
     """The ``config.json`` of an emulated model folder: what the router reads (context,
     vocabulary) and what ``EmulatedModel.from_config`` reads back. No weights."""
     return {
         "model_type": "sara-emulated",
         "sara_profile": profile.name,
         "vocab_size": EMULATED_VOCAB_SIZE,
-        "max_position_embeddings": context_tokens,
+        "max_position_embeddings": context_tokens(profile),
         "eos_token_id": [],
     }
