@@ -10,7 +10,8 @@ Results (``BacktestResult``) carry the run's summary against the SLOs, GPU-hours
 (the simulator's exact count: every worker from its start to its retirement, times
 tensor parallelism), scale events per pool, and a per-window series (load,
 replicas, P99s, SLO attainment, cumulative GPU-hours) for reports. Every request
-is accounted for: ``lost_requests`` is those that never finished.
+is accounted for: ``lost_requests`` is the admitted ones that never finished,
+``rejected_requests`` those refused at arrival for exceeding the model's context.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class BacktestResult:
             "requests": s.requests,
             "completed": s.completed,
             "lost_requests": s.lost_requests,
+            "rejected_requests": s.rejected_requests,
             "slo_attainment": s.slo_attainment,
             "ttft_p99_s": s.ttft_p99_s,
             "tpot_p99_s": s.tpot_p99_s,

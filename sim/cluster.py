@@ -671,6 +671,7 @@ class Cluster:
             kv_ready_s=np.asarray(self._kv_ready_s, dtype=np.float64),
             decode_start_s=np.asarray(self._decode_start_s, dtype=np.float64),
             finish_s=np.asarray(self._finish_s, dtype=np.float64),
+            rejected=np.asarray(self.rejected, dtype=np.bool_).copy(),
             end_s=end_s,
             prefill_busy_s=sum(w.busy_s for w in self._prefill),
             prefill_serving_s=prefill_serving_s,

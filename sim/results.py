@@ -12,8 +12,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from sim.trace import FloatArray, IntArray
+
+BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,8 +24,12 @@ class SimSummary:
     """Headline numbers of a run against a pair of SLOs.
 
     Percentiles use numpy's default (linear interpolation) over the requests that
-    have the quantity; ``None`` when none has it. ``slo_attainment`` is the fraction
-    of all requests that met both SLOs (a lost request did not).
+    have the quantity; ``None`` when none has it. ``rejected_requests`` are those
+    longer than the model's context: answered at once with an error, as the router
+    answers them, and never served — a property of the request, not of the pools,
+    so they count neither as lost nor in the attainment. ``slo_attainment`` is the
+    fraction of the admitted requests that met both SLOs (a lost request did not);
+    ``lost_requests`` the admitted ones that never finished.
     ``prefill_utilisation`` is busy time over serving time (from the end of startup
     to retirement or the end of the run) of the prefill workers;
     ``decode_utilisation`` the same for the decode workers; ``decode_mean_batch``
@@ -32,6 +39,7 @@ class SimSummary:
     requests: int
     completed: int
     lost_requests: int
+    rejected_requests: int
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
@@ -49,10 +57,13 @@ class SimSummary:
     gpu_hours: float
 
     def __post_init__(self) -> None:
-        if not 0 <= self.completed <= self.requests:
-            raise ValueError(f"completed: must be in [0, requests={self.requests}]")
-        if self.lost_requests != self.requests - self.completed:
-            raise ValueError("lost_requests: must equal requests - completed")
+        if not 0 <= self.rejected_requests <= self.requests:
+            raise ValueError(f"rejected_requests: must be in [0, requests={self.requests}]")
+        admitted = self.requests - self.rejected_requests
+        if not 0 <= self.completed <= admitted:
+            raise ValueError(f"completed: must be in [0, admitted requests={admitted}]")
+        if self.lost_requests != admitted - self.completed:
+            raise ValueError("lost_requests: must equal requests - rejected_requests - completed")
         if self.slo_attainment is not None and not 0 <= self.slo_attainment <= 1:
             raise ValueError(f"slo_attainment: must be in [0, 1], got {self.slo_attainment}")
 
@@ -62,7 +73,8 @@ class SimResults:
     """Per-request arrays (index = request, in trace order) and pool totals.
 
     ``kv_ready_s`` is when the KV handoff finished (NaN without a decode stage),
-    ``decode_start_s`` when a decode worker took the request. ``token_times_s``
+    ``decode_start_s`` when a decode worker took the request; ``rejected`` marks the
+    requests refused at arrival (beyond the model's context). ``token_times_s``
     (only when the run recorded them) holds, per request, the times of its decode
     tokens (the second token onwards).
     """
@@ -74,6 +86,7 @@ class SimResults:
     kv_ready_s: FloatArray
     decode_start_s: FloatArray
     finish_s: FloatArray
+    rejected: BoolArray
     end_s: float
     prefill_busy_s: float
     prefill_serving_s: float
@@ -95,6 +108,7 @@ class SimResults:
             "kv_ready_s",
             "decode_start_s",
             "finish_s",
+            "rejected",
         ):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name}: length {len(getattr(self, name))} != {n} requests")
@@ -130,15 +144,18 @@ class SimResults:
         done = np.isfinite(self.finish_s)
         ttft_ok = np.isfinite(ttft) & (ttft <= ttft_slo_s)
         tpot_ok = (self.output_tokens == 1) | (np.isfinite(tpot) & (tpot <= tpot_slo_s))
-        met = done & ttft_ok & tpot_ok
+        admitted = ~self.rejected
+        met = done & ttft_ok & tpot_ok & admitted
         n = len(self)
-        completed = int(np.count_nonzero(done))
+        rejected = int(np.count_nonzero(self.rejected))
+        completed = int(np.count_nonzero(done & admitted))
         ttft_q = _percentiles(ttft[np.isfinite(ttft)])
         tpot_q = _percentiles(tpot[np.isfinite(tpot)])
         return SimSummary(
             requests=n,
             completed=completed,
-            lost_requests=n - completed,
+            lost_requests=n - rejected - completed,
+            rejected_requests=rejected,
             ttft_p50_s=ttft_q[0],
             ttft_p90_s=ttft_q[1],
             ttft_p99_s=ttft_q[2],
@@ -147,7 +164,7 @@ class SimResults:
             tpot_p99_s=tpot_q[2],
             ttft_slo_s=ttft_slo_s,
             tpot_slo_s=tpot_slo_s,
-            slo_attainment=float(np.count_nonzero(met)) / n if n else None,
+            slo_attainment=float(np.count_nonzero(met)) / (n - rejected) if n > rejected else None,
             prefill_utilisation=_ratio(self.prefill_busy_s, self.prefill_serving_s),
             decode_utilisation=_ratio(self.decode_busy_s, self.decode_serving_s),
             decode_mean_batch=_ratio(float(self.decode_batch_token_total), self.decode_iterations),

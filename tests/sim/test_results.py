@@ -18,6 +18,7 @@ def results(
     first_token_s: list[float],
     finish_s: list[float],
     output_tokens: list[int],
+    rejected: list[bool] | None = None,
 ) -> SimResults:
     n = len(arrival_s)
     return SimResults(
@@ -28,6 +29,7 @@ def results(
         kv_ready_s=np.full(n, NAN),
         decode_start_s=np.full(n, NAN),
         finish_s=np.asarray(finish_s),
+        rejected=np.asarray(rejected if rejected is not None else [False] * n, dtype=np.bool_),
         end_s=10.0,
         prefill_busy_s=3.0,
         prefill_serving_s=12.0,
@@ -106,3 +108,18 @@ def test_per_request_arrays_of_different_lengths_are_rejected() -> None:
         results(
             arrival_s=[0.0, 1.0], first_token_s=[0.1, 1.1], finish_s=[0.2], output_tokens=[1, 1]
         )
+
+
+def test_a_request_beyond_the_context_is_rejected_not_lost_and_outside_the_attainment() -> None:
+    # Five requests: the last was refused at arrival (no first token, never finished).
+    r = results(
+        arrival_s=[0.0, 1.0, 2.0, 3.0, 4.0],
+        first_token_s=[0.5, 1.5, 2.5, 3.5, NAN],
+        finish_s=[1.0, 2.0, 3.0, 9.0, NAN],
+        output_tokens=[2, 2, 2, 2, 2],
+        rejected=[False, False, False, False, True],
+    )
+    s = r.summary(ttft_slo_s=1.0, tpot_slo_s=1.0)
+    assert (s.requests, s.rejected_requests, s.completed, s.lost_requests) == (5, 1, 4, 0)
+    # Of the four admitted requests, the one with a 5.5-s TPOT missed: 3 of 4 met both.
+    assert s.slo_attainment == 0.75
