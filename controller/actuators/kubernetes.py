@@ -1,14 +1,20 @@
-"""Kubernetes Deployments as pools, scaled through their ``scale`` subresource.
+"""Kubernetes resources as pools, scaled through their ``scale`` subresource.
 
-``observe`` reads the scale (``spec.replicas``: what the pool is set to) and the
-Deployment (``status.readyReplicas``: how many pods serve); ``scale`` patches the
-scale subresource, the same call ``kubectl scale`` and the HPA make, so the
-controller needs no write access to the Deployment itself.
+A pool is any namespaced resource with a ``scale`` subresource (``ScaleTargetRef``:
+apiVersion, kind, name, as an HPA names its target): a Deployment, a StatefulSet, a
+LeaderWorkerSet, an engine operator's own kind. ``observe`` reads the scale
+(``spec.replicas``: what the pool is set to) and the resource
+(``status.readyReplicas``: how many serve; the scale's ``status.replicas`` for a kind
+that does not report ready replicas); ``scale`` patches the scale subresource, the
+same call ``kubectl scale`` and the HPA make, so the controller needs no write access
+to the resource itself. The resource's plural name comes from the API server's
+discovery document of its group version (built-in for the apps/v1 kinds), which also
+says whether the kind has a scale subresource at all.
 
 Failures, as ``controller.actuator`` defines them: 409 Conflict, 429 Too Many
 Requests, 5xx, timeouts and broken connections are retried here with capped
 exponential backoff (``retries`` times), then raise ``ActuatorRetryableError``;
-404, 401, 403 and other 4xx raise ``ActuatorError`` at once, naming the Deployment
+404, 401, 403 and other 4xx raise ``ActuatorError`` at once, naming the resource
 and, for 403, the RBAC permission that is missing. Every call carries a timeout.
 """
 
@@ -28,6 +34,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from controller.actuator import ActuatorError, ActuatorRetryableError
+from controller.crd.spec import ScaleTargetRef
 from controller.observation import PoolObservation
 from queueing.pools import Pool
 
@@ -36,6 +43,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRYABLE_STATUSES = frozenset({409, 429})  # and every 5xx
+# The plurals of the built-in scalable kinds (no discovery request needed for these).
+KNOWN_PLURALS: dict[tuple[str, str], str] = {
+    ("apps", "Deployment"): "deployments",
+    ("apps", "StatefulSet"): "statefulsets",
+    ("apps", "ReplicaSet"): "replicasets",
+}
 
 # The client's config loaders are unannotated: give them the types they are used with.
 _load_incluster_config: Callable[..., None] = config.load_incluster_config
@@ -92,13 +105,14 @@ class _Call:
 
     pool: Pool
     namespace: str
-    deployment: str
+    kind: str
+    name: str
     action: str  # "read the scale of", "scale", ...
     permission: str  # the RBAC rule it needs, e.g. "patch deployments/scale"
 
     @property
     def target(self) -> str:
-        return f"Deployment {self.namespace}/{self.deployment} ({self.pool.value} pool)"
+        return f"{self.kind} {self.namespace}/{self.name} ({self.pool.value} pool)"
 
 
 def _api_message(exc: ApiException) -> str:
@@ -118,7 +132,7 @@ def _classify(exc: Exception, call: _Call) -> ActuatorError:
     if status == 404:
         return ActuatorError(
             f"{call.target} not found ({detail}): create it, or fix the namespace or the "
-            "Deployment name in the controller's configuration"
+            f"{call.kind} name in the controller's configuration"
         )
     if status == 401:
         return ActuatorError(
@@ -136,15 +150,40 @@ def _classify(exc: Exception, call: _Call) -> ActuatorError:
     return ActuatorError(f"cannot {call.action} {call.target}: {detail}")
 
 
+def _at(document: Any, *keys: str) -> Any:
+    """A field of a JSON object from the API, ``None`` where any level is missing."""
+    for key in keys:
+        if not isinstance(document, dict):
+            return None
+        document = document.get(key)
+    return document
+
+
 def _count(value: Any) -> int:
     """A replica count from the API (``None`` when the field is unset, which means 0)."""
     return 0 if value is None else int(value)
 
 
-class KubernetesActuator:
-    """Scales one Deployment per pool in one namespace.
+@dataclass(frozen=True, kw_only=True)
+class _Resource:
+    """A scale target resolved to its REST path: group, version and plural."""
 
-    ``api`` defaults to an ``AppsV1Api`` on the client's default configuration; use
+    target: ScaleTargetRef
+    plural: str
+
+    @property
+    def rule(self) -> str:
+        """The resource as an RBAC rule names it (``statefulsets``, ``lws.x-k8s.io``...)."""
+        group = self.target.group
+        return self.plural if group == "apps" else f"{self.plural}.{group}"
+
+
+class KubernetesActuator:
+    """Scales one resource per pool in one namespace through its scale subresource.
+
+    ``targets`` names each pool's resource; ``deployments`` (a name per pool) is the
+    short form for apps/v1 Deployments. ``api`` defaults to an ``AppsV1Api`` on the
+    client's default configuration (its ``api_client`` serves every kind); use
     ``from_environment`` to load in-cluster or kubeconfig credentials. A call is tried
     ``retries + 1`` times at most, sleeping ``backoff_delays_s(...)`` in between
     (``sleep`` is injectable); each attempt times out after ``request_timeout_s``.
@@ -154,7 +193,8 @@ class KubernetesActuator:
         self,
         *,
         namespace: str,
-        deployments: Mapping[Pool, str],
+        deployments: Mapping[Pool, str] | None = None,
+        targets: Mapping[Pool, ScaleTargetRef] | None = None,
         api: client.AppsV1Api | None = None,
         retries: int = 5,
         backoff_s: float = 0.2,
@@ -164,13 +204,25 @@ class KubernetesActuator:
     ) -> None:
         if not isinstance(namespace, str) or not namespace:
             raise ValueError(f"namespace: must be a non-empty string, got {namespace!r}")
-        for pool, name in deployments.items():
+        if (deployments is None) == (targets is None):
+            raise ValueError("targets: give exactly one of deployments and targets")
+        if deployments is not None:
+            if not deployments:
+                raise ValueError("deployments: must name at least one pool's Deployment")
+            for pool, name in deployments.items():
+                if not isinstance(pool, Pool):
+                    raise ValueError(f"deployments: keys must be Pool members, got {pool!r}")
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"deployments[{pool.value}]: must be a non-empty name")
+            targets = {pool: ScaleTargetRef.deployment(name) for pool, name in deployments.items()}
+        assert targets is not None
+        for pool, target in targets.items():
             if not isinstance(pool, Pool):
-                raise ValueError(f"deployments: keys must be Pool members, got {pool!r}")
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"deployments[{pool.value}]: must be a non-empty name")
-        if not deployments:
-            raise ValueError("deployments: must name at least one pool's Deployment")
+                raise ValueError(f"targets: keys must be Pool members, got {pool!r}")
+            if not isinstance(target, ScaleTargetRef):
+                raise ValueError(f"targets[{pool.value}]: must be a ScaleTargetRef, got {target!r}")
+        if not targets:
+            raise ValueError("targets: must name at least one pool's resource")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries: must be an integer >= 0, got {retries!r}")
         for field, value in (
@@ -181,8 +233,10 @@ class KubernetesActuator:
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{field}: must be a finite number > 0, got {value!r}")
         self._namespace = namespace
-        self._deployments = dict(deployments)
+        self._targets = dict(targets)
         self._api = api if api is not None else client.AppsV1Api()
+        self._objects = client.CustomObjectsApi(self._api.api_client)
+        self._resolved: dict[Pool, _Resource] = {}
         self._delays_s = backoff_delays_s(retries, backoff_s, max_backoff_s)
         self._timeout_s = float(request_timeout_s)
         self._sleep = sleep
@@ -192,7 +246,8 @@ class KubernetesActuator:
         cls,
         *,
         namespace: str,
-        deployments: Mapping[Pool, str],
+        deployments: Mapping[Pool, str] | None = None,
+        targets: Mapping[Pool, ScaleTargetRef] | None = None,
         kubeconfig: str | os.PathLike[str] | None = None,
         context: str | None = None,
         retries: int = 5,
@@ -212,6 +267,7 @@ class KubernetesActuator:
         return cls(
             namespace=namespace,
             deployments=deployments,
+            targets=targets,
             api=client.AppsV1Api(client.ApiClient(configuration)),
             retries=retries,
             backoff_s=backoff_s,
@@ -221,58 +277,122 @@ class KubernetesActuator:
         )
 
     def observe(self, pool: Pool) -> PoolObservation:
-        """``spec.replicas`` of the scale and ``status.readyReplicas`` of the Deployment."""
-        name = self._deployment(pool)
+        """``spec.replicas`` of the scale and ``status.readyReplicas`` of the resource
+        (the scale's ``status.replicas`` when the kind does not report ready ones)."""
+        resource = self._resource(pool)
+        target = resource.target
         scale = self._call(
-            self._describe(pool, name, "read the scale of", "get deployments/scale"),
-            lambda: self._api.read_namespaced_deployment_scale(
-                name, self._namespace, _request_timeout=self._timeout_s
+            self._describe(pool, "read the scale of", f"get {resource.rule}/scale"),
+            lambda: self._objects.get_namespaced_custom_object_scale(
+                target.group,
+                target.version,
+                self._namespace,
+                resource.plural,
+                target.name,
+                _request_timeout=self._timeout_s,
             ),
         )
-        deployment = self._call(
-            self._describe(pool, name, "read", "get deployments"),
-            lambda: self._api.read_namespaced_deployment(
-                name, self._namespace, _request_timeout=self._timeout_s
+        obj = self._call(
+            self._describe(pool, "read", f"get {resource.rule}"),
+            lambda: self._objects.get_namespaced_custom_object(
+                target.group,
+                target.version,
+                self._namespace,
+                resource.plural,
+                target.name,
+                _request_timeout=self._timeout_s,
             ),
         )
-        current = _count(scale.spec.replicas if scale.spec is not None else None)
-        status = deployment.status
-        ready = _count(status.ready_replicas if status is not None else None)
+        current = _count(_at(scale, "spec", "replicas"))
+        status = _at(obj, "status")
+        if isinstance(status, dict) and "readyReplicas" in status:
+            ready = _count(status["readyReplicas"])
+        else:
+            ready = min(current, _count(_at(scale, "status", "replicas")))
         return PoolObservation(current_replicas=current, ready_replicas=ready)
 
     def scale(self, pool: Pool, replicas: int) -> None:
         """Patch the scale subresource's ``spec.replicas`` (idempotent)."""
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise ValueError(f"replicas: must be an integer >= 0, got {replicas!r}")
-        name = self._deployment(pool)
+        resource = self._resource(pool)
+        target = resource.target
         self._call(
-            self._describe(pool, name, "scale", "patch deployments/scale"),
-            lambda: self._api.patch_namespaced_deployment_scale(
-                name,
+            self._describe(pool, "scale", f"patch {resource.rule}/scale"),
+            lambda: self._objects.patch_namespaced_custom_object_scale(
+                target.group,
+                target.version,
                 self._namespace,
+                resource.plural,
+                target.name,
                 {"spec": {"replicas": replicas}},
                 _request_timeout=self._timeout_s,
             ),
         )
         logger.info(
-            "scaled Deployment %s/%s (%s pool) to %d replicas",
+            "scaled %s %s/%s (%s pool) to %d replicas",
+            target.kind,
             self._namespace,
-            name,
+            target.name,
             pool.value,
             replicas,
         )
 
-    def _deployment(self, pool: Pool) -> str:
+    def _target(self, pool: Pool) -> ScaleTargetRef:
         try:
-            return self._deployments[pool]
+            return self._targets[pool]
         except KeyError:
-            raise ActuatorError(f"no Deployment configured for the {pool.value} pool") from None
+            raise ActuatorError(f"no scale target configured for the {pool.value} pool") from None
 
-    def _describe(self, pool: Pool, name: str, action: str, permission: str) -> _Call:
+    def _resource(self, pool: Pool) -> _Resource:
+        """The pool's target with its plural, from discovery once (then remembered)."""
+        if pool in self._resolved:
+            return self._resolved[pool]
+        target = self._target(pool)
+        plural = KNOWN_PLURALS.get((target.group, target.kind))
+        if plural is None:
+            plural = self._discover(pool, target)
+        self._resolved[pool] = _Resource(target=target, plural=plural)
+        return self._resolved[pool]
+
+    def _discover(self, pool: Pool, target: ScaleTargetRef) -> str:
+        path = f"/apis/{target.group}/{target.version}"
+        call = _Call(
+            pool=pool,
+            namespace=self._namespace,
+            kind=target.kind,
+            name=target.name,
+            action=f"discover the API {target.api_version} of",
+            permission=f"get {path} (discovery, granted to every authenticated user)",
+        )
+        listing = self._call(
+            call,
+            lambda: self._objects.get_api_resources(
+                target.group, target.version, _request_timeout=self._timeout_s
+            ),
+        )
+        names = {str(r.name): r for r in (listing.resources or [])}
+        for name, entry in names.items():
+            if "/" not in name and entry.kind == target.kind:
+                if f"{name}/scale" not in names:
+                    raise ActuatorError(
+                        f"{call.target}: kind {target.kind} of {target.api_version} has no "
+                        "scale subresource; a pool must be a resource that can be scaled "
+                        "(kubectl scale)"
+                    )
+                return name
+        raise ActuatorError(
+            f"{call.target}: the API server serves no kind {target.kind} in "
+            f"{target.api_version} (is its CRD installed?)"
+        )
+
+    def _describe(self, pool: Pool, action: str, permission: str) -> _Call:
+        target = self._target(pool)
         return _Call(
             pool=pool,
             namespace=self._namespace,
-            deployment=name,
+            kind=target.kind,
+            name=target.name,
             action=action,
             permission=permission,
         )

@@ -22,6 +22,8 @@ from controller.config import ControllerConfig, KnobField, knob_fields
 from controller.crd.spec import (
     DEPLOYMENT_NAME,
     DEPLOYMENT_NAME_MAX_LENGTH,
+    GROUP_VERSION,
+    KIND_NAME,
     KNOBS,
     PROMETHEUS_URL,
     REQUIRED_FIELDS,
@@ -32,8 +34,8 @@ from queueing.catalog import builtin_profiles
 from queueing.pools import Pool
 
 SPEC_DESCRIPTION = (
-    "What to scale, to which SLOs, and how. Every field but the Deployments, the SLOs "
-    "and the Prometheus URL has a default."
+    "What to scale, to which SLOs, and how. Every field but the pools' scale targets, "
+    "the SLOs and the Prometheus URL has a default."
 )
 
 # The config's cross-field rules in spec names, by the object they are attached to
@@ -77,10 +79,39 @@ def _deployment(pool: Pool) -> dict[str, Any]:
     return {
         "type": "string",
         "description": f"Name of the {pool.value} Deployment, in the resource's namespace; "
-        "scaled through its scale subresource.",
+        "scaled through its scale subresource. Give this or scaleTargetRef.",
         "minLength": 1,
         "maxLength": DEPLOYMENT_NAME_MAX_LENGTH,
         "pattern": f"^{DEPLOYMENT_NAME.pattern}$",
+    }
+
+
+def _scale_target_ref(pool: Pool) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": f"The {pool.value} pool as any resource with a scale subresource in "
+        "the resource's namespace (a StatefulSet, a LeaderWorkerSet, an engine operator's "
+        "kind), as an HPA names it. Give this or deployment.",
+        "required": ["apiVersion", "kind", "name"],
+        "properties": {
+            "apiVersion": {
+                "type": "string",
+                "description": "GROUP/VERSION of the kind, e.g. apps/v1.",
+                "pattern": f"^{GROUP_VERSION.pattern}$",
+            },
+            "kind": {
+                "type": "string",
+                "description": "The kind, e.g. StatefulSet.",
+                "pattern": f"^{KIND_NAME.pattern}$",
+            },
+            "name": {
+                "type": "string",
+                "description": "The resource's name.",
+                "minLength": 1,
+                "maxLength": DEPLOYMENT_NAME_MAX_LENGTH,
+                "pattern": f"^{DEPLOYMENT_NAME.pattern}$",
+            },
+        },
     }
 
 
@@ -88,6 +119,10 @@ def _deployment(pool: Pool) -> dict[str, Any]:
 # each allows.
 TARGETS: dict[str, tuple[dict[str, Any], str]] = {
     **{f"{pool.value}.deployment": (_deployment(pool), "a Deployment name") for pool in Pool},
+    **{
+        f"{pool.value}.scaleTargetRef": (_scale_target_ref(pool), "apiVersion, kind, name")
+        for pool in Pool
+    },
     "metrics.prometheusUrl": (
         {
             "type": "string",
@@ -129,6 +164,14 @@ def spec_schema() -> dict[str, Any]:
         # The target fields come first in their object, before the knobs.
         parent_node = node["properties"][parent]
         parent_node["properties"] = {**fields, **parent_node["properties"]}
+    # Each pool names its target by exactly one of deployment and scaleTargetRef: a
+    # oneOf of required fields alone, which a structural schema allows (no CEL needed).
+    node["required"] = [pool.value for pool in Pool]
+    for pool in Pool:
+        node["properties"][pool.value]["oneOf"] = [
+            {"required": ["deployment"]},
+            {"required": ["scaleTargetRef"]},
+        ]
     _add_required(node, "")
     return node
 
@@ -184,8 +227,12 @@ _TYPES: dict[Any, str] = {bool: "boolean", int: "integer", float: "number", str:
 def _add_required(node: dict[str, Any], prefix: str) -> None:
     """``required`` on every object from ``REQUIRED_FIELDS``; an object none of whose
     fields is required defaults to ``{}``, so that its fields' defaults apply."""
+    own = set(node.get("required", ()))  # a target object's, or the pools on the spec
     required = sorted(
-        {path[len(prefix) :].split(".")[0] for path in REQUIRED_FIELDS if path.startswith(prefix)},
+        own
+        | {
+            path[len(prefix) :].split(".")[0] for path in REQUIRED_FIELDS if path.startswith(prefix)
+        },
         key=list(node["properties"]).index,
     )
     if required:
@@ -193,7 +240,8 @@ def _add_required(node: dict[str, Any], prefix: str) -> None:
     elif prefix:
         node["default"] = {}
     for name, child in node["properties"].items():
-        if child.get("type") == "object":
+        # A target object (scaleTargetRef) has no defaults: its absence means something.
+        if child.get("type") == "object" and f"{prefix}{name}" not in TARGETS:
             _add_required(child, f"{prefix}{name}.")
     if required or prefix:
         # Keep the keys in the order people read a schema: type, description, then the
@@ -220,6 +268,10 @@ def _leaves(node: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Ma
             yield f"{prefix}{name}", child
 
 
+_POOLS = {pool.value for pool in Pool}
+_POOL_TARGETS = {"deployment", "scaleTargetRef"}
+
+
 def spec_fields_markdown() -> str:
     """The table of every spec field: type, default, range, config field, meaning."""
     config_path = dict(KNOBS)
@@ -230,6 +282,8 @@ def spec_fields_markdown() -> str:
     for path, node in _leaves(spec_schema()):
         if path in REQUIRED_FIELDS:
             default = "required"
+        elif path.split(".")[0] in _POOLS and path.split(".")[1] in _POOL_TARGETS:
+            default = "required: `deployment` or `scaleTargetRef`"
         elif "default" in node:
             default = f"`{json.dumps(node['default'])}`"
         else:

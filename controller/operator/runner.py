@@ -79,8 +79,8 @@ class _SpecSnapshot:
 class _Bindings:
     """What the source and the actuator are built from; a change rebuilds them."""
 
-    prefill_deployment: str
-    decode_deployment: str
+    prefill_target: crd.ScaleTargetRef
+    decode_target: crd.ScaleTargetRef
     metrics: crd.MetricsSpec
     window_s: float
     burst_window_s: float
@@ -89,8 +89,8 @@ class _Bindings:
     @classmethod
     def of(cls, spec: crd.AutoscalerSpec) -> _Bindings:
         return cls(
-            prefill_deployment=spec.prefill_deployment,
-            decode_deployment=spec.decode_deployment,
+            prefill_target=spec.prefill_target,
+            decode_target=spec.decode_target,
             metrics=spec.metrics,
             window_s=spec.config.window_s,
             burst_window_s=spec.config.burst_window_s,
@@ -273,7 +273,7 @@ class AutoscalerRunner:
         else:
             self._snapshot.set(spec.config)
             if bindings != self._bindings:
-                # Other Deployments or another Prometheus: new adapters, same policy
+                # Other scale targets or another Prometheus: new adapters, same policy
                 # state (the pools' history is what the resource has seen).
                 close_if_closable(self._loop.source)
                 self._loop.source = self._source_factory(spec)
@@ -284,10 +284,7 @@ class AutoscalerRunner:
     def _kubernetes_actuator(self, namespace: str, spec: crd.AutoscalerSpec) -> Actuator:
         return KubernetesActuator(
             namespace=namespace,
-            deployments={
-                Pool.PREFILL: spec.prefill_deployment,
-                Pool.DECODE: spec.decode_deployment,
-            },
+            targets={pool: spec.target(pool) for pool in Pool},
             api=self._apps,
             retries=2,
             request_timeout_s=self._timeout_s,

@@ -176,6 +176,8 @@ def test_min_and_max_replicas_are_tied_by_a_cel_rule_on_each_pool() -> None:
     for pool in ("prefill", "decode"):
         (rule,) = schema_at(pool)["x-kubernetes-validations"]
         assert "self.minReplicas <= self.maxReplicas" in rule["rule"]
+        targets = schema_at(pool)["oneOf"]
+        assert targets == [{"required": ["deployment"]}, {"required": ["scaleTargetRef"]}]
 
 
 # -- the example against the schema -----------------------------------------------------
@@ -189,13 +191,46 @@ def test_the_example_is_a_valid_resource() -> None:
 # The custom flavour's templates are refused with any other flavour: the example,
 # which uses the sara flavour, cannot set them (a test below parses them).
 CUSTOM_ONLY = {f"metrics.{_camel(name)}" for name in CUSTOM_QUERY_FIELDS}
+# A pool names a deployment or a scaleTargetRef, not both: the example names Deployments.
+SCALE_TARGET_REFS = {
+    f"{pool}.scaleTargetRef.{key}"
+    for pool in ("prefill", "decode")
+    for key in ("apiVersion", "kind", "name")
+}
 
 
 def test_the_example_sets_every_field_and_parses() -> None:
-    assert leaves(SPEC_SCHEMA) - CUSTOM_ONLY <= set(_flatten(EXAMPLE["spec"]))
+    assert leaves(SPEC_SCHEMA) - CUSTOM_ONLY - SCALE_TARGET_REFS <= set(_flatten(EXAMPLE["spec"]))
     spec = crd.parse_spec(EXAMPLE["spec"])
-    assert spec.prefill_deployment == "llama3-8b-prefill"
+    assert spec.prefill_target == crd.ScaleTargetRef.deployment("llama3-8b-prefill")
     assert spec.config.slo.ttft_p99_s == 1.5 and spec.config.gpu_budget == 48
+
+
+def test_a_pool_names_any_scalable_kind_by_scale_target_ref_or_a_deployment_by_name() -> None:
+    resource = copy.deepcopy(EXAMPLE)
+    del resource["spec"]["decode"]["deployment"]
+    resource["spec"]["decode"]["scaleTargetRef"] = {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": "llama3-8b-decode",
+    }
+    assert schema_errors(resource) == []
+    spec = crd.parse_spec(resource["spec"])
+    assert spec.decode_target == crd.ScaleTargetRef(
+        api_version="leaderworkerset.x-k8s.io/v1", kind="LeaderWorkerSet", name="llama3-8b-decode"
+    )
+    assert spec.decode_target.group == "leaderworkerset.x-k8s.io"
+    assert spec.prefill_target.is_deployment and spec.prefill_target.name == "llama3-8b-prefill"
+    # The spec it writes back parses to the same targets.
+    assert crd.parse_spec(spec.to_spec()) == spec
+    resource["spec"]["decode"]["deployment"] = "also-a-deployment"
+    with pytest.raises(ConfigError, match=r"^spec\.decode\.deployment: give exactly one"):
+        crd.parse_spec(resource["spec"])
+    del resource["spec"]["decode"]["deployment"]
+    resource["spec"]["decode"]["scaleTargetRef"]["apiVersion"] = "v1"
+    with pytest.raises(ConfigError, match=r"^spec\.decode\.scaleTargetRef\.apiVersion: must be"):
+        crd.parse_spec(resource["spec"])
+    assert schema_errors(resource) != []
 
 
 def test_a_custom_flavour_takes_its_templates_from_the_spec_and_needs_them_all() -> None:
@@ -357,7 +392,7 @@ def test_the_conversion_rejects_the_same_resource_naming_the_spec_field(
 
 
 def test_a_missing_deployment_is_reported_as_required() -> None:
-    with pytest.raises(ConfigError, match=r"^spec\.decode\.deployment: required$"):
+    with pytest.raises(ConfigError, match=r"^spec\.decode\.deployment: required \(or scaleTarget"):
         crd.parse_spec(without("decode.deployment")["spec"])
 
 
@@ -470,8 +505,8 @@ def test_the_changed_config_really_changes_every_field() -> None:
 def test_config_to_spec_and_back_is_exact(config: ControllerConfig) -> None:
     spec = crd.AutoscalerSpec(
         config=config,
-        prefill_deployment="p",
-        decode_deployment="d",
+        prefill_target=crd.ScaleTargetRef.deployment("p"),
+        decode_target=crd.ScaleTargetRef.deployment("d"),
         metrics=crd.MetricsSpec(prometheus_url="http://prom:9090", selector='job="sara"'),
     )
     document = spec.to_spec()
@@ -510,7 +545,7 @@ def test_a_spec_patch_sets_every_knob_keeps_the_targets_and_clears_an_old_budget
     patched = _merge(EXAMPLE["spec"], patch)
     again = crd.parse_spec(patched)
     assert again.config == ControllerConfig()
-    assert again.prefill_deployment == base.prefill_deployment
+    assert again.prefill_target == base.prefill_target
     assert again.metrics == base.metrics
 
 
@@ -567,9 +602,7 @@ def tick(
         ttft_p99_s=0.4,
         tpot_p99_s=None,
     )
-    decision = decide(
-        observation, ControllerState(), config, now_s=now_s, models=CapacityModels()
-    )
+    decision = decide(observation, ControllerState(), config, now_s=now_s, models=CapacityModels())
     return TickRecord(
         time_s=now_s,
         config_version=config_version(config),
