@@ -22,6 +22,7 @@ from cli import (
     serve_cmd,
     simulate_cmd,
     solve_cmd,
+    supervision,
     worker_cmd,
 )
 
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A child of `sara serve` ends when it does, however it ends (cli.supervision).
+    supervision.watch_parent_from_env()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

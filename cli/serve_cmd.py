@@ -12,6 +12,15 @@ The controller observes by scraping the router's ``/metrics`` (no Prometheus
 needed). On SIGINT/SIGTERM everything stops in reverse order: the workers drain
 (SIGTERM, then SIGKILL after the grace period), the router stops, Redis stops.
 
+It supervises what it starts (``cli.supervision``): a private Redis or the router
+that exits is logged and started again with a backoff (the workers and the router
+reconnect by themselves), a worker that exits is replaced by the controller's next
+tick, and a child that cannot be brought back stops the whole stack with exit
+status 1 — never a half-dead stack that answers 503 for ever. Its children die
+with it, whenever it dies: SIGTERM at any phase of start-up or shut-down runs the
+same clean-up, and after a SIGKILL the children end by themselves (a parent watch
+in each Python child, a parent-death signal on Redis).
+
 A note on latency: every hop is a loopback TCP connection; redis-py and uvicorn
 disable Nagle's algorithm (TCP_NODELAY) on their sockets, so small messages such
 as one token are not held back waiting for an ACK.
@@ -23,10 +32,10 @@ import argparse
 import contextlib
 import json
 import logging
-import subprocess
+import os
+import signal
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +43,13 @@ from typing import Any
 from cli import common
 from cli.common import UsageError
 from cli.runtime import DEFAULT_MODEL_CACHE, python_cli, resolve_model, run_with_api
+from cli.supervision import (
+    PARENT_PID_ENV,
+    ChildStartError,
+    ManagedProcess,
+    RedisChild,
+    Supervisor,
+)
 from cli.worker_cmd import DEFAULT_KV_SCALE, require_torch
 from controller.closing import close_if_closable
 from controller.config import ConfigError, ControllerConfig
@@ -81,29 +97,18 @@ def worker_command(
     )
 
 
-def _wait_http(url: str, what: str, timeout_s: float, process: subprocess.Popen[Any]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise UsageError(f"{what} exited with status {process.returncode} at start")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as reply:
-            if reply.status == 200:
-                return
-        time.sleep(0.2)
-    raise UsageError(f"{what} did not answer {url} within {timeout_s:.0f} s")
-
-
 @contextlib.contextmanager
-def _redis(url: str | None) -> Iterator[str]:
+def _redis(url: str | None, children: list[Any]) -> Iterator[str]:
     if url is not None:
         yield url
         return
     from workers.redis_util import RedisServer, RedisServerError
 
     try:
-        server = RedisServer.start()
+        server = RedisServer.start(die_with_parent=True)
     except RedisServerError as exc:
         raise UsageError(f"--redis: no URL given and {exc}") from exc
+    children.append(RedisChild(server))
     try:
         logger.info("redis on %s", server.url)
         yield server.url
@@ -112,36 +117,58 @@ def _redis(url: str | None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _router(args: argparse.Namespace, redis_url: str, model_dir: Path, log: Path) -> Iterator[str]:
+def _router(
+    args: argparse.Namespace, redis_url: str, model_dir: Path, log: Path, children: list[Any]
+) -> Iterator[str]:
     host, port = common.parse_listen("--listen", args.listen)
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            python_cli(
-                "router",
-                "--listen",
-                f"{host}:{port}",
-                "--redis",
-                redis_url,
-                "--model",
-                str(model_dir),
-                "--request-timeout-s",
-                str(args.request_timeout_s),
-            ),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     url = f"http://{host}:{port}"
+    router = ManagedProcess(
+        "the router",
+        python_cli(
+            "router",
+            "--listen",
+            f"{host}:{port}",
+            "--redis",
+            redis_url,
+            "--model",
+            str(model_dir),
+            "--request-timeout-s",
+            str(args.request_timeout_s),
+        ),
+        log=log,
+        health_url=f"{url}/healthz",
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+    )
     try:
-        _wait_http(f"{url}/healthz", "the router", STARTUP_TIMEOUT_S, process)
+        try:
+            router.start()
+        except ChildStartError as exc:
+            raise UsageError(str(exc)) from exc
+        children.append(router)
         logger.info("router on %s", url)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        router.stop()
+
+
+@contextlib.contextmanager
+def _supervised(children: list[Any]) -> Iterator[Supervisor]:
+    """Restart ``children`` (filled in as they start) until the block ends; giving up
+    stops the stack (SIGTERM to this process: the API server returns, clean-up runs)."""
+    supervisor = Supervisor(
+        children=children, on_give_up=lambda reason: os.kill(os.getpid(), signal.SIGTERM)
+    )
+    supervisor.start()
+    try:
+        yield supervisor
+    finally:
+        supervisor.stop()
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    # Until the API server takes SIGTERM over (and after it gives it back), SIGTERM
+    # unwinds like Ctrl-C: every started child is stopped by the finally blocks.
+    raise SystemExit(128 + signum)
 
 
 def _store(args: argparse.Namespace, state_dir: Path) -> FileConfigStore:
@@ -193,6 +220,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the children watch this process
     state_dir = Path(args.state_dir)
     store = _store(args, state_dir)
     config = store.load().config
@@ -208,9 +237,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_dir = resolve_model(args.model, Path(args.model_cache)).resolve()
     log_dir = state_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _redis(args.redis) as redis_url, _router(
-        args, redis_url, model_dir, log_dir / "router.log"
-    ) as router_url:
+    children: list[Any] = []
+    # The supervisor is entered last, so it stops first: what the clean-up stops
+    # must not be restarted.
+    with (
+        _redis(args.redis, children) as redis_url,
+        _router(args, redis_url, model_dir, log_dir / "router.log", children) as router_url,
+        _supervised(children) as supervisor,
+    ):
         actuator = LocalProcessActuator(
             {
                 pool: worker_command(
@@ -262,6 +296,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             run_with_api(loop, token=token, host=api_host, port=api_port)
         finally:
             close_if_closable(actuator)
+    if supervisor.gave_up is not None:
+        print(f"sara serve: stopped: {supervisor.gave_up}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -6,6 +6,11 @@ until it answers ``PING`` and returns the handle; ``stop()`` ends it (SIGTERM, t
 SIGKILL) and removes its working directory. ``kill()`` is ``kill -9`` (a crash, for
 tests); ``restart()`` starts it again on the same port, empty.
 
+With ``die_with_parent=True`` (Linux) the server gets ``PR_SET_PDEATHSIG`` = SIGKILL:
+it dies with the thread that started it — for `sara serve`, the main thread or its
+supervisor's, which live as long as the stack — so a parent killed with SIGKILL
+leaves no ``redis-server`` holding its port.
+
 Nothing here imports the redis client: readiness is a raw ``PING`` on a socket, so
 the module can start a server before any client library is loaded.
 """
@@ -13,18 +18,40 @@ the module can start a server before any client library is loaded.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 DEFAULT_BINARY = "redis-server"
 LOOPBACK = "127.0.0.1"
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def parent_death_signal(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks the kernel to send ``signum`` to the child when the
+    thread that forked it ends; ``None`` where there is no ``prctl`` (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 class RedisServerError(RuntimeError):
@@ -51,12 +78,16 @@ def ping(host: str, port: int, *, timeout_s: float = 0.5) -> bool:
 class RedisServer:
     """A ``redis-server`` child process on loopback. Use ``start()``, not the constructor."""
 
-    def __init__(self, *, port: int, host: str, binary: str, workdir: Path) -> None:
+    def __init__(
+        self, *, port: int, host: str, binary: str, workdir: Path, die_with_parent: bool = False
+    ) -> None:
         self.port = port
         self.host = host
         self.binary = binary
         self.workdir = workdir
+        self.die_with_parent = die_with_parent
         self._process: subprocess.Popen[bytes] | None = None
+        self._last_status: int | None = None
 
     @classmethod
     def start(
@@ -67,6 +98,7 @@ class RedisServer:
         binary: str = DEFAULT_BINARY,
         ready_timeout_s: float = 10.0,
         attempts: int = 3,
+        die_with_parent: bool = False,
     ) -> RedisServer:
         """Start a server and wait until it answers; raises ``RedisServerError``.
 
@@ -81,7 +113,13 @@ class RedisServer:
         workdir = Path(tempfile.mkdtemp(prefix="sara-redis-"))
         last_error: RedisServerError | None = None
         for _ in range(max(1, attempts) if port is None else 1):
-            server = cls(port=port or free_port(host), host=host, binary=path, workdir=workdir)
+            server = cls(
+                port=port or free_port(host),
+                host=host,
+                binary=path,
+                workdir=workdir,
+                die_with_parent=die_with_parent,
+            )
             try:
                 server._spawn(ready_timeout_s)
                 return server
@@ -103,6 +141,13 @@ class RedisServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def exit_status(self) -> int | None:
+        """The status it exited with, while it is not running (``None``: running, or
+        stopped through ``stop``/``kill``)."""
+        if self._process is not None:
+            return self._process.poll()
+        return self._last_status
+
     @property
     def log_path(self) -> Path:
         return self.workdir / f"redis-{self.port}.log"
@@ -121,7 +166,11 @@ class RedisServer:
         # Its own session: a Ctrl-C meant for the parent must not kill Redis before
         # the parent has drained its workers; stop() ends it explicitly.
         self._process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=parent_death_signal() if self.die_with_parent else None,
         )
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
@@ -149,6 +198,7 @@ class RedisServer:
     def _terminate(self, *, timeout_s: float) -> None:
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
+            self._last_status = None if process is None else process.returncode
             return
         # SHUTDOWN NOSAVE exits at once; SIGTERM waits for the next server tick (100 ms).
         with (
