@@ -51,6 +51,10 @@ class GpuSpec:
       real capacity is a few per cent larger; reading it this way is conservative).
     - ``interconnect_bytes_per_s``: GPU-to-GPU bandwidth in one direction over the
       link tensor-parallel all-reduce uses (NVLink, or PCIe where there is none).
+    - ``allreduce_latency_s``: the time of one small (activation-sized) all-reduce
+      among four of these GPUs on the node's link, the part of it that does not
+      shrink with the message: measured where a measurement is published, else the
+      assumption the source says.
     - ``source``: where the numbers come from.
     """
 
@@ -59,12 +63,18 @@ class GpuSpec:
     hbm_bytes_per_s: float
     memory_bytes: int
     interconnect_bytes_per_s: float
+    allreduce_latency_s: float
     source: str
 
     def __post_init__(self) -> None:
         _check_text("GpuSpec", "name", self.name)
         _check_text("GpuSpec", "source", self.source)
-        for field in ("peak_dense_flops", "hbm_bytes_per_s", "interconnect_bytes_per_s"):
+        for field in (
+            "peak_dense_flops",
+            "hbm_bytes_per_s",
+            "interconnect_bytes_per_s",
+            "allreduce_latency_s",
+        ):
             _check_positive_number("GpuSpec", field, getattr(self, field))
         _check_positive_int("GpuSpec", "memory_bytes", self.memory_bytes)
 
@@ -79,6 +89,11 @@ class ModelShape:
     ``dtype_bytes`` is the bytes per weight and per KV element (2 for FP16/BF16).
     The input embedding and the LM head are separate matrices (none of the catalogue's
     models ties them).
+
+    A mixture-of-experts model (Mixtral-style: ``num_local_experts`` SwiGLU MLPs of
+    width ``intermediate_size`` per layer, a linear router, ``num_experts_per_tok``
+    of them run per token) has ``num_experts`` > 1; a dense model has one expert,
+    always active. ``attention_bias`` is Qwen2's bias on the q, k and v projections.
     """
 
     name: str
@@ -91,6 +106,9 @@ class ModelShape:
     max_context_tokens: int
     dtype_bytes: int
     source: str
+    num_experts: int = 1
+    experts_per_token: int = 1
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         _check_text("ModelShape", "name", self.name)
@@ -104,8 +122,17 @@ class ModelShape:
             "vocab_size",
             "max_context_tokens",
             "dtype_bytes",
+            "num_experts",
+            "experts_per_token",
         ):
             _check_positive_int("ModelShape", field, getattr(self, field))
+        if self.experts_per_token > self.num_experts:
+            raise ProfileError(
+                f"experts_per_token: {self.experts_per_token} is more than the "
+                f"{self.num_experts} experts"
+            )
+        if not isinstance(self.attention_bias, bool):
+            raise ProfileError(f"attention_bias: must be a bool, got {self.attention_bias!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ProfileError(
                 f"num_attention_heads: {self.num_attention_heads} does not divide "
@@ -127,23 +154,53 @@ class ModelShape:
         """Parameters of the input embedding table (looked up, never multiplied)."""
         return self.vocab_size * self.hidden_size
 
-    @property
-    def param_count(self) -> int:
-        """All parameters: embedding + layers + final norm + LM head.
+    def _layer_params(self, experts: int) -> int:
+        """One layer's parameters with ``experts`` of its MLP experts counted.
 
-        Per layer: q and o projections are hidden x hidden; k and v are
-        hidden x (kv_heads * head_dim) (grouped-query attention); the SwiGLU MLP has
-        three hidden x intermediate matrices (gate, up, down); two RMSNorm weight
-        vectors of width hidden. No biases.
+        q and o projections are hidden x hidden; k and v are hidden x (kv_heads *
+        head_dim) (grouped-query attention), plus their biases where the model has
+        them; each SwiGLU expert has three hidden x intermediate matrices (gate, up,
+        down); a mixture adds its router (hidden x experts); two RMSNorm weight
+        vectors of width hidden.
         """
         h = self.hidden_size
         kv_width = self.num_kv_heads * self.head_dim
         attention = 2 * h * h + 2 * h * kv_width
-        mlp = 3 * h * self.intermediate_size
+        if self.attention_bias:
+            attention += h + 2 * kv_width
+        mlp = experts * 3 * h * self.intermediate_size
+        router = h * self.num_experts if self.num_experts > 1 else 0
         norms = 2 * h
-        per_layer = attention + mlp + norms
+        return attention + mlp + router + norms
+
+    @property
+    def param_count(self) -> int:
+        """All parameters: embedding + layers (every expert) + final norm + LM head."""
+        h = self.hidden_size
         lm_head = self.hidden_size * self.vocab_size
-        return self.embedding_params + self.num_layers * per_layer + h + lm_head
+        layers = self.num_layers * self._layer_params(self.num_experts)
+        return self.embedding_params + layers + h + lm_head
+
+    @property
+    def active_param_count(self) -> int:
+        """Parameters one token passes through: its ``experts_per_token`` experts only
+        (the whole model for a dense one)."""
+        h = self.hidden_size
+        lm_head = self.hidden_size * self.vocab_size
+        layers = self.num_layers * self._layer_params(self.experts_per_token)
+        return self.embedding_params + layers + h + lm_head
+
+    def expert_read_fraction(self, batch_tokens: int) -> float:
+        """Expected share of a layer's experts an iteration of ``batch_tokens`` reads.
+
+        Each token picks ``experts_per_token`` of ``num_experts``; taking the picks
+        as independent and uniform (what a router's load-balancing loss aims at), an
+        expert is left unread with probability (1 - k/E)^n. 1 for a dense model.
+        """
+        if batch_tokens < 1:
+            raise ProfileError(f"batch_tokens: must be >= 1, got {batch_tokens!r}")
+        unread = (1.0 - self.experts_per_token / self.num_experts) ** batch_tokens
+        return 1.0 - unread
 
     @property
     def weight_bytes(self) -> int:
@@ -155,7 +212,12 @@ class ModelShape:
         """Bytes of weights streamed from memory by every forward pass.
 
         Everything but the input embedding table, of which an iteration gathers only
-        the rows of its tokens (a few kilobytes each, negligible).
+        the rows of its tokens (a few kilobytes each, negligible). For a mixture this
+        counts every expert: an iteration reads the experts its tokens picked, all of
+        them from a few tokens on (``expert_read_fraction``: Mixtral's 2 of 8 are
+        90 % read at 8 tokens, 99 % at 16), so it is exact for prefill iterations and
+        loaded decode batches and an over-estimate (the safe side) for a handful of
+        decoding sequences.
         """
         return (self.param_count - self.embedding_params) * self.dtype_bytes
 
@@ -169,13 +231,14 @@ class ModelShape:
         """Matrix-multiply FLOPs of one token through the model, attention scores aside.
 
         Two FLOPs (multiply, add) per weight of every matrix the token passes through:
-        all layer weights and the LM head, i.e. 2 x (params - input embedding). The
+        all layer weights (of a mixture, only the token's active experts) and the LM
+        head, i.e. 2 x (active params - input embedding). The
         head is charged to every token; an engine computes logits only where it
         samples (the last prompt token, every decode token), so for prefill this is
         a slight over-estimate. Norms, rotary embedding and activations are
         element-wise and left out.
         """
-        return 2 * (self.param_count - self.embedding_params)
+        return 2 * (self.active_param_count - self.embedding_params)
 
     @property
     def attention_flops_per_pair(self) -> int:

@@ -6,9 +6,12 @@ achieves (``Efficiency``):
 
 - ``t0_s``: every iteration streams the weights from device memory once, each of the
   ``tensor_parallel`` ranks its 1/TP shard at the same time:
-  ``weight_read_bytes / TP / (hbm * hbm_fraction)``. With TP > 1 each layer adds two
-  all-reduces (after the attention output projection and after the MLP down
-  projection), and their fixed latency is paid whatever the batch.
+  ``weight_read_bytes / TP / (hbm * hbm_fraction)``, plus the fixed cost of a
+  layer's kernels (``layer_overhead_s`` each layer: the start and drain of its four
+  projection GEMMs and its element-wise kernels, paid whatever the batch). With
+  TP > 1 each layer adds two all-reduces (after the attention output projection and
+  after the MLP down projection), each costing the platform's small-message latency
+  (``GpuSpec.allreduce_latency_s``) plus its launch (``allreduce_launch_s``).
 - ``t_tok_s``: the matrix multiplies of one token, split over the ranks:
   ``flops_per_token / TP / (peak * compute_fraction)``; with TP > 1, plus the
   token's all-reduce traffic over the interconnect: a ring all-reduce of a
@@ -37,8 +40,10 @@ and decode queueing models and the token budget solve it in closed form, and
 ``sara profile`` fits the same four coefficients by least squares to measured
 iterations, so a roofline profile and a measured one are interchangeable.
 Other simplifications, also on the safe side: Mistral's 4096-token sliding window is
-ignored (decode is charged for the whole context), and the LM head is charged to
-every token.
+ignored (decode is charged for the whole context), the LM head is charged to
+every token, and a mixture of experts is charged the read of all its experts every
+iteration (``ModelShape.weight_read_bytes``) and the FLOPs of its active ones per
+token (``ModelShape.flops_per_token``).
 """
 
 from __future__ import annotations
@@ -81,9 +86,18 @@ class Efficiency:
     - ``activation_reserve_bytes_per_gpu`` 2 GB: activations of the largest batch
       (a few thousand tokens through the MLP), logits of the sampled tokens, CUDA
       graphs, and the cuBLAS/NCCL workspaces, per GPU.
-    - ``allreduce_latency_s`` 10 µs per all-reduce with TP > 1: the fixed cost of a
-      small NCCL all-reduce within one NVLink node (custom all-reduce kernels get
-      closer to 5 µs; PCIe is slower).
+    - ``layer_overhead_s`` 43 µs per layer and iteration: the cost of a layer's
+      kernels that does not scale with bytes or FLOPs. Vidur's A100 profiles (fit by
+      ``bench/vidur_overheads.py``) give 4.6 µs per projection GEMM (18.5 µs for the
+      four) on top of streaming at 0.79 of the datasheet bandwidth, and 24.8 µs
+      (median) for the element-wise kernels of a layer at one token; the H100's are
+      17.3 + 18.0 µs. The larger is used for every GPU. It is also why sharded
+      weights seem to stream slower (60-74 % at TP 4-8): the same fixed cost over
+      fewer bytes, not a lower bandwidth.
+    - ``allreduce_launch_s`` 20 µs per all-reduce with TP > 1: the CPU launch of an
+      NCCL collective, Vidur's ``nccl_cpu_launch_overhead_ms`` default, added to the
+      GPU's measured all-reduce time as Vidur's predictor does. Under CUDA graphs an
+      engine launches less, so this errs on the safe side.
     - ``container_start_s`` 30 s: scheduling a pod with a cached image, Python and
       CUDA initialisation, CUDA-graph capture.
     - ``weight_load_bytes_per_s`` 2 GB/s: safetensors from a local NVMe disk or a
@@ -96,7 +110,8 @@ class Efficiency:
     interconnect_fraction: float = 0.7
     gpu_memory_fraction: float = 0.9
     activation_reserve_bytes_per_gpu: int = 2_000_000_000
-    allreduce_latency_s: float = 10e-6
+    layer_overhead_s: float = 43e-6
+    allreduce_launch_s: float = 20e-6
     container_start_s: float = 30.0
     weight_load_bytes_per_s: float = 2e9
 
@@ -111,7 +126,7 @@ class Efficiency:
             value = getattr(self, name)
             if not _is_number(value) or not 0 < value <= 1:
                 raise ProfileError(f"{name}: must be a fraction in (0, 1], got {value!r}")
-        for name in ("allreduce_latency_s", "container_start_s"):
+        for name in ("layer_overhead_s", "allreduce_launch_s", "container_start_s"):
             value = getattr(self, name)
             if not _is_number(value) or value < 0:
                 raise ProfileError(f"{name}: must be a finite number >= 0, got {value!r}")
@@ -167,7 +182,12 @@ def roofline_profile(
 
     allreduces = 2 * model.num_layers if tp > 1 else 0
     ring_bytes_per_token = allreduces * model.hidden_size * model.dtype_bytes * 2 * (tp - 1) / tp
-    t0_s = model.weight_read_bytes / tp / memory_bytes_per_s + allreduces * eff.allreduce_latency_s
+    allreduce_s = gpu.allreduce_latency_s + eff.allreduce_launch_s
+    t0_s = (
+        model.weight_read_bytes / tp / memory_bytes_per_s
+        + model.num_layers * eff.layer_overhead_s
+        + allreduces * allreduce_s
+    )
     t_tok_s = model.flops_per_token / tp / gemm_flops + ring_bytes_per_token / link_bytes_per_s
     t_kv_s = model.kv_bytes_per_token / tp / memory_bytes_per_s
     t_attn_s = model.attention_flops_per_pair / tp / attention_flops
@@ -192,8 +212,9 @@ def roofline_profile(
         f"efficiency: compute {eff.compute_fraction:g}, memory bandwidth "
         f"{eff.hbm_fraction:g}, attention {eff.attention_fraction:g}, interconnect "
         f"{eff.interconnect_fraction:g}, GPU memory {eff.gpu_memory_fraction:g}, "
-        f"reserve {eff.activation_reserve_bytes_per_gpu / _GB:g} GB/GPU, all-reduce "
-        f"latency {eff.allreduce_latency_s * 1e6:g} µs, startup "
+        f"reserve {eff.activation_reserve_bytes_per_gpu / _GB:g} GB/GPU, layer overhead "
+        f"{eff.layer_overhead_s * 1e6:g} µs, all-reduce {gpu.allreduce_latency_s * 1e6:g} "
+        f"+ {eff.allreduce_launch_s * 1e6:g} µs launch, startup "
         f"{eff.container_start_s:g} s + weights at {eff.weight_load_bytes_per_s / _GB:g} GB/s"
     )
     return IterationProfile(

@@ -27,7 +27,8 @@ from queueing.hardware import GpuSpec, ModelShape
 from queueing.profile import IterationProfile, ProfileError, attention_pairs
 from queueing.roofline import DEFAULT_EFFICIENCY, Efficiency, roofline_profile
 
-SMALL_MODELS = ("llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3.1-8b")
+SMALL_MODELS = ("llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3.1-8b", "qwen2.5-7b-instruct")
+NVIDIA_GPUS = ("a100-80g", "h100-sxm", "h200", "l40s", "b200")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "profiles.md"
 
 
@@ -75,10 +76,42 @@ def test_llama_2_7b_fp16_kv_entry_is_half_a_mebibyte() -> None:
         ("llama-3-8b", 8.03e9),
         ("mistral-7b", 7.24e9),
         ("llama-2-70b", 6.9e10),
+        ("qwen2.5-7b-instruct", 7.61e9),
+        ("mixtral-8x7b", 46.7e9),
     ],
 )
 def test_parameter_count_matches_the_published_count(model: str, published_params: float) -> None:
     assert MODELS[model].param_count == pytest.approx(published_params, rel=5e-3)
+
+
+def test_a_mixture_token_passes_through_its_active_experts_only() -> None:
+    mixtral = MODELS["mixtral-8x7b"]
+    # Mistral AI's model card: 12.9 B parameters used per token of 46.7 B.
+    assert mixtral.active_param_count == pytest.approx(12.9e9, rel=5e-3)
+    assert mixtral.flops_per_token == 2 * (mixtral.active_param_count - 32_000 * 4096)
+    # Every expert is stored and, from a few tokens on, read by every iteration.
+    assert mixtral.weight_read_bytes == 2 * (mixtral.param_count - 32_000 * 4096)
+
+
+@pytest.mark.parametrize(
+    ("batch_tokens", "read"), [(1, 0.25), (2, 1 - 0.75**2), (16, 1 - 0.75**16)]
+)
+def test_an_iteration_reads_the_experts_some_token_picked(batch_tokens: int, read: float) -> None:
+    # 2 of 8 experts per token: an expert is unread by n tokens with probability (6/8)^n.
+    assert MODELS["mixtral-8x7b"].expert_read_fraction(batch_tokens) == pytest.approx(read)
+    assert MODELS["llama-3-8b"].expert_read_fraction(batch_tokens) == 1.0
+
+
+def test_a_dense_model_is_its_own_single_expert() -> None:
+    llama = MODELS["llama-3-8b"]
+    assert llama.active_param_count == llama.param_count
+    assert llama.flops_per_token == 2 * (llama.param_count - llama.embedding_params)
+
+
+def test_qwen_biases_add_one_vector_per_projection_to_the_count() -> None:
+    qwen = MODELS["qwen2.5-7b-instruct"]
+    without = dataclasses.replace(qwen, attention_bias=False)
+    assert qwen.param_count - without.param_count == 28 * (3584 + 2 * 4 * 128)
 
 
 def test_weights_are_two_bytes_a_parameter_in_fp16() -> None:
@@ -102,7 +135,7 @@ def test_attention_costs_four_flops_per_hidden_unit_per_layer_per_pair(model: st
 def test_a_token_costs_about_two_flops_per_parameter(model: str) -> None:
     shape = MODELS[model]
     embedding = shape.vocab_size * shape.hidden_size
-    assert shape.flops_per_token == 2 * (shape.param_count - embedding)
+    assert shape.flops_per_token == 2 * (shape.active_param_count - embedding)
     assert shape.weight_read_bytes == shape.weight_bytes - embedding * shape.dtype_bytes
 
 
@@ -122,6 +155,9 @@ _LLAMA_2_7B_FIELDS: dict[str, Any] = dataclasses.asdict(MODELS["llama-2-7b"])
         ({"intermediate_size": 0}, "intermediate_size"),
         ({"num_attention_heads": 30}, "num_attention_heads"),
         ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"num_experts": 0}, "num_experts"),
+        ({"experts_per_token": 2}, "experts_per_token"),
+        ({"attention_bias": 1}, "attention_bias"),
     ],
 )
 def test_an_invalid_model_shape_names_the_field(change: dict[str, Any], field: str) -> None:
@@ -141,6 +177,7 @@ _A100_FIELDS: dict[str, Any] = dataclasses.asdict(GPUS["a100-80g"])
         ({"hbm_bytes_per_s": math.nan}, "hbm_bytes_per_s"),
         ({"memory_bytes": 80.5e9}, "memory_bytes"),
         ({"interconnect_bytes_per_s": -1.0}, "interconnect_bytes_per_s"),
+        ({"allreduce_latency_s": 0.0}, "allreduce_latency_s"),
     ],
 )
 def test_an_invalid_gpu_spec_names_the_field(change: dict[str, Any], field: str) -> None:
@@ -158,7 +195,8 @@ def test_an_invalid_gpu_spec_names_the_field(change: dict[str, Any], field: str)
         ({"gpu_memory_fraction": True}, "gpu_memory_fraction"),
         ({"activation_reserve_bytes_per_gpu": -1}, "activation_reserve_bytes_per_gpu"),
         ({"activation_reserve_bytes_per_gpu": 1.5e9}, "activation_reserve_bytes_per_gpu"),
-        ({"allreduce_latency_s": -1e-6}, "allreduce_latency_s"),
+        ({"layer_overhead_s": -1e-6}, "layer_overhead_s"),
+        ({"allreduce_launch_s": math.nan}, "allreduce_launch_s"),
         ({"container_start_s": math.inf}, "container_start_s"),
         ({"weight_load_bytes_per_s": 0.0}, "weight_load_bytes_per_s"),
     ],
@@ -201,7 +239,7 @@ def test_h100_beats_a100_beats_l40s_at_prefill_and_at_decode(model: str) -> None
     assert profile("h200").kv_capacity_tokens > profile("h100-sxm").kv_capacity_tokens
 
 
-@pytest.mark.parametrize("gpu", list(GPUS))
+@pytest.mark.parametrize("gpu", NVIDIA_GPUS)
 def test_grouped_query_70b_on_four_gpus_caches_more_tokens_than_7b_on_one(gpu: str) -> None:
     big = resolve_profile(f"llama-2-70b-tp4@{gpu}")
     small = resolve_profile(f"llama-2-7b@{gpu}")
@@ -242,7 +280,8 @@ _PERFECT = Efficiency(
     interconnect_fraction=1.0,
     gpu_memory_fraction=1.0,
     activation_reserve_bytes_per_gpu=0,
-    allreduce_latency_s=0.0,
+    layer_overhead_s=0.0,
+    allreduce_launch_s=0.0,
     container_start_s=0.0,
     weight_load_bytes_per_s=1e9,
 )
@@ -289,13 +328,34 @@ def test_tensor_parallel_splits_the_work_and_adds_two_all_reduces_a_layer() -> N
     one = roofline_profile(model, gpu, tensor_parallel=1)
     two = roofline_profile(model, gpu, tensor_parallel=2)
     all_reduces = 2 * 32
-    assert two.t0_s == pytest.approx(one.t0_s / 2 + all_reduces * eff.allreduce_latency_s)
+    # The weight read halves; every rank still runs every layer's kernels.
+    kernels_s = 32 * eff.layer_overhead_s
+    allreduce_s = 38e-6 + eff.allreduce_launch_s  # the H100's measured latency + launch
+    assert two.t0_s == pytest.approx(
+        (one.t0_s - kernels_s) / 2 + kernels_s + all_reduces * allreduce_s
+    )
     # Ring all-reduce of a 4096 x 2-byte activation between 2 ranks: each sends it once.
     link_s = all_reduces * 4096 * 2 / (450e9 * eff.interconnect_fraction)
     assert two.t_tok_s == pytest.approx(one.t_tok_s / 2 + link_s)
     assert two.t_kv_s == pytest.approx(one.t_kv_s / 2)
     assert two.t_attn_s == pytest.approx(one.t_attn_s / 2)
     assert two.kv_capacity_tokens > 2 * one.kv_capacity_tokens  # weights stored once
+
+
+def test_the_fixed_costs_are_added_to_the_weight_read() -> None:
+    model, gpu = MODELS["llama-2-70b"], GPUS["a100-80g"]
+    eff = DEFAULT_EFFICIENCY
+    streaming = roofline_profile(
+        model,
+        gpu,
+        tensor_parallel=4,
+        efficiency=dataclasses.replace(eff, layer_overhead_s=0.0, allreduce_launch_s=0.0),
+    )
+    real = roofline_profile(model, gpu, tensor_parallel=4)
+    read_s = 2 * (68_976_648_192 - 32_000 * 8192) / 4 / (2.039e12 * 0.8)
+    # 160 all-reduces of 59 µs measured (+ 20 µs launch), 80 layers of 43 µs kernels.
+    assert real.t0_s == pytest.approx(read_s + 160 * 79e-6 + 80 * 43e-6)
+    assert streaming.t0_s == pytest.approx(read_s + 160 * 59e-6)
 
 
 def test_more_tensor_parallel_lowers_the_70b_decode_floor() -> None:
@@ -339,7 +399,7 @@ def test_the_profile_is_named_and_sourced_after_its_model_and_gpu() -> None:
 
 
 def test_the_catalogue_is_keyed_by_name_and_read_only() -> None:
-    assert set(GPUS) == {"a100-80g", "h100-sxm", "h200", "l40s"}
+    assert set(GPUS) == {"a100-80g", "h100-sxm", "h200", "l40s", "b200", "mi300x"}
     assert set(MODELS) == {
         "llama-2-7b",
         "llama-3-8b",
@@ -347,16 +407,23 @@ def test_the_catalogue_is_keyed_by_name_and_read_only() -> None:
         "llama-2-70b",
         "llama-3.1-8b",
         "llama-3.1-70b",
+        "qwen2.5-7b-instruct",
+        "mixtral-8x7b",
     }
     assert all(key == gpu.name for key, gpu in GPUS.items())
     assert all(key == model.name for key, model in MODELS.items())
     with pytest.raises(TypeError):
-        GPUS["b200"] = GPUS["h200"]  # type: ignore[index]
+        GPUS["b300"] = GPUS["h200"]  # type: ignore[index]
 
 
 def test_builtin_profiles_cover_every_small_model_on_every_gpu_and_70b_on_four() -> None:
     expected = {f"{model}@{gpu}" for model in SMALL_MODELS for gpu in GPUS}
-    expected |= {f"{model}-tp4@{gpu}" for model in ("llama-2-70b", "llama-3.1-70b") for gpu in GPUS}
+    expected |= {
+        f"{model}-tp4@{gpu}" for model in ("llama-2-70b", "llama-3.1-70b") for gpu in NVIDIA_GPUS
+    }
+    expected |= {"llama-3.1-70b@mi300x", "mixtral-8x7b-tp4@l40s"}
+    expected |= {f"mixtral-8x7b-tp2@{gpu}" for gpu in ("a100-80g", "h100-sxm")}
+    expected |= {f"mixtral-8x7b@{gpu}" for gpu in ("h200", "b200", "mi300x")}
     profiles = builtin_profiles()
     assert set(profiles) == expected
     assert all(name == profile.name for name, profile in profiles.items())
