@@ -8,9 +8,10 @@ very same requests go through ``sim.cluster`` with the same profile, token budge
 and pool sizes. Printed per pool size: P50/P99 TTFT and TPOT live and simulated,
 the capacity model's P99 prediction beside them, and the emulation's timing
 accuracy read from the workers' own metrics: the sum of
-``sara_worker_iteration_seconds`` over the sum of
-``sara_worker_emulated_profile_seconds_total`` (the profile's time of the same
-steps), per pool.
+``sara_worker_iteration_seconds`` plus ``sara_worker_emulated_overlap_seconds_total``
+(the worker's work between back-to-back steps, which the emulated accelerator
+overlapped) over the sum of ``sara_worker_emulated_profile_seconds_total`` (the
+profile's time of the same steps), per pool.
 
 Targets: live P99 TTFT and TPOT within 15 % of the simulator's; iteration time
 within 5 % of the profile's. Both are measured on whatever else the machine runs.
@@ -48,23 +49,25 @@ from workers.emulated import context_tokens
 from workers.redis_util import free_port
 
 METRIC = re.compile(
-    r"^(sara_worker_iteration_seconds_sum|sara_worker_emulated_profile_seconds_total)"
+    r"^(sara_worker_iteration_seconds_sum|sara_worker_emulated_profile_seconds_total"
+    r"|sara_worker_emulated_overlap_seconds_total)"
     r"\{[^}]*\} (\S+)$",
     re.M,
 )
 
 
 def scrape_timing(ports: list[int]) -> tuple[float, float]:
-    """Summed measured and profile seconds of the workers on ``ports``."""
+    """Summed seconds of the workers on ``ports``: measured iterations plus the work
+    between back-to-back steps they overlapped (the steps' cadence), and the profile's."""
     measured = profile = 0.0
     for port in ports:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         for name, value in METRIC.findall(text):
-            if name.startswith("sara_worker_iteration"):
-                measured += float(value)
-            else:
+            if name.startswith("sara_worker_emulated_profile"):
                 profile += float(value)
+            else:
+                measured += float(value)
     return measured, profile
 
 

@@ -176,7 +176,7 @@ def monitor(api: str, timeline: Timeline, stop: threading.Event, start_s: float)
             "tpot_p99_s": obs.get("decode"),
         }
         timeline.rows.append(row)
-        phase = timeline.phase_at[-1][1] if timeline.phase_at else "-"
+        phase = next((name for start, name in reversed(timeline.phase_at) if start <= t), "-")
         print(
             f"t={t:5.0f}s {phase:<6} rate {_fmt(row['raw_rate_rps'], 4.1)} rps "
             f"(smoothed {_fmt(row['smoothed_rate_rps'], 4.1)})  "

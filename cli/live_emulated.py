@@ -520,6 +520,10 @@ def main_emulated(args: argparse.Namespace) -> int:
         rows = [r for r in timeline.rows if bounds[i][0] <= r["t_s"] < bounds[i + 1][0]]
         live.append(live_stats(results[lo : lo + len(piece)], rows, slo))
         lo += len(piece)
+    print("\nlive, per phase:")
+    for phase, st in zip(phases, live, strict=True):
+        print(f"  {phase.name:<6} {json.dumps(st.__dict__)}")
+    (out / "live.json").write_text(json.dumps([st.__dict__ for st in live], indent=1))
     sim = simulate(
         pieces,
         starts_s,
