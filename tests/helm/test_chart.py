@@ -53,6 +53,9 @@ VALUE_SETS = {
     "pvc-token-advisory": ValueSet(values=("pvc-token-advisory.yaml",)),
     "external-secret-custom-gpu": ValueSet(values=("external-secret-custom-gpu.yaml",)),
     "peering-cpu": ValueSet(values=("peering-cpu.yaml",)),
+    # The chart's own vLLM values file (an absolute path: values_file keeps it as is).
+    "vllm": ValueSet(values=(str(CHART / "values-vllm.yaml"),), api_versions=(MONITORING_API,)),
+    "scale-targets": ValueSet(values=("scale-targets.yaml",)),
 }
 
 
@@ -241,6 +244,7 @@ DEFAULT_RULES = {
     ("events.k8s.io", "events"): {"create", "patch"},
 }
 PEERING_RULES = {("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"}}
+WORKER_KINDS = {"deployments", "deployments/scale"}
 
 
 def rule_table(rules: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
@@ -253,6 +257,66 @@ def rule_table(rules: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
             for resource in rule["resources"]:
                 table.setdefault((group, resource), set()).update(rule["verbs"])
     return table
+
+
+SCALE_TARGET_RULES = {
+    key: verbs for key, verbs in DEFAULT_RULES.items() if key[1] not in WORKER_KINDS
+} | {
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "list", "watch"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): {"get", "patch", "update"},
+    ("apps", "statefulsets"): {"get", "list", "watch"},
+    ("apps", "statefulsets/scale"): {"get", "patch", "update"},
+}
+
+
+def test_the_role_grants_exactly_the_configured_scale_target_kinds(render: Render) -> None:
+    (role,) = of_kind(render_set(render, "scale-targets"), "Role")
+    assert rule_table(role["rules"]) == SCALE_TARGET_RULES
+    (scaler,) = of_kind(render_set(render, "scale-targets"), "SLOAutoscaler")
+    assert scaler["spec"]["prefill"]["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": "llama-prefill",
+    }
+    assert "deployment" not in scaler["spec"]["decode"]
+    assert scaler["spec"]["decode"]["scaleTargetRef"]["kind"] == "StatefulSet"
+
+
+def test_the_vllm_values_deploy_engine_pools_a_proxy_and_an_autoscaler_over_them(
+    render: Render,
+) -> None:
+    objs = render_set(render, "vllm")
+    names = {o["metadata"]["name"] for o in of_kind(objs, "Deployment")}
+    assert names == {
+        "sara-operator",
+        "sara-engine-prefill",
+        "sara-engine-decode",
+        "sara-engine-proxy",
+    }
+    assert not of_kind(objs, "StatefulSet")  # no Redis, no SARA workers or router
+    for pool in ("prefill", "decode"):
+        pod = one(objs, "Deployment", f"sara-engine-{pool}")["spec"]["template"]
+        assert pod["metadata"]["labels"]["sara.io/pool"] == pool
+        (engine,) = pod["spec"]["containers"]
+        assert engine["image"] == "vllm/vllm-openai:v0.12.0"
+        config = engine["args"][engine["args"].index("--kv-transfer-config") + 1]
+        assert json.loads(config) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    proxy = one(objs, "Deployment", "sara-engine-proxy")["spec"]["template"]["spec"]
+    args = proxy["containers"][0]["args"]
+    assert args[args.index("--prefiller-hosts") + 1] == "sara-engine-prefill"
+    (scaler,) = of_kind(objs, "SLOAutoscaler")
+    assert scaler["spec"]["prefill"]["deployment"] == "sara-engine-prefill"
+    assert scaler["spec"]["metrics"]["flavor"] == "vllm"
+    (role,) = of_kind(objs, "Role")
+    assert rule_table(role["rules"]) == DEFAULT_RULES
+    # The engines' series get their pool label from the pod's sara.io/pool label.
+    (monitor,) = of_kind(objs, "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["relabelings"] == [
+        {"sourceLabels": ["__meta_kubernetes_pod_label_sara_io_pool"], "targetLabel": "pool"}
+    ]
 
 
 @pytest.mark.parametrize(
@@ -752,7 +816,9 @@ def undeclared_fields(value: Any, schema: dict[str, Any], path: str) -> list[str
     return found
 
 
-@pytest.mark.parametrize("name", ["default", "pvc-token-advisory", "external-redis-monitoring"])
+@pytest.mark.parametrize(
+    "name", ["default", "pvc-token-advisory", "external-redis-monitoring", "vllm", "scale-targets"]
+)
 def test_the_slo_autoscaler_matches_the_crd(render: Render, name: str) -> None:
     schema = crd_schema()
     (scaler,) = of_kind(render_set(render, name), "SLOAutoscaler")
@@ -791,6 +857,7 @@ def test_the_slo_autoscaler_names_the_worker_deployments(render: Render) -> None
     assert spec["metrics"] == {
         "prometheusUrl": "http://prometheus.monitoring.svc:9090",
         "selector": 'namespace="llm",cluster="gpu-a"',
+        "flavor": "sara",
     }
 
 
@@ -827,7 +894,8 @@ def test_every_container_command_is_one_the_sara_cli_accepts(render: Render, nam
         parsed = parser.parse_args(args)
         assert parsed.func is not None, (component, args)
         checked += 1
-    assert checked >= 3
+    # With an engine's pools only the operator runs SARA.
+    assert checked >= (1 if name == "vllm" else 3)
 
 
 @pytest.mark.parametrize("path", sorted((CHART / "crds").glob("*.yaml")), ids=lambda p: p.name)

@@ -218,3 +218,23 @@ undoes a scaling decision.
 {{- define "sara.autoscalerOwnsReplicas" -}}
 {{- if and .Values.autoscaler.create (eq .Values.autoscaler.mode "active") }}true{{ end }}
 {{- end }}
+
+{{/*
+The scale target of a pool as a dict (apiVersion, kind, name, resource): its
+autoscaler.POOL.scaleTargetRef when that names a kind, else this release's own
+Deployment (the engine's with engines.enabled, SARA's workers otherwise). resource is
+the plural the RBAC rules name: scaleTargetRef.resource, else the kind in lower case
+plus "s" (statefulsets, leaderworkersets). Call with (dict "ctx" $ "pool" "prefill").
+*/}}
+{{- define "sara.scaleTarget" -}}
+{{- $ref := (index .ctx.Values.autoscaler .pool).scaleTargetRef | default dict }}
+{{- if $ref.kind }}
+{{- if not (and $ref.apiVersion $ref.name) }}
+{{- fail (printf "autoscaler.%s.scaleTargetRef: apiVersion, kind and name are all required" .pool) }}
+{{- end }}
+{{- toYaml (dict "apiVersion" $ref.apiVersion "kind" $ref.kind "name" $ref.name "resource" ($ref.resource | default (printf "%ss" (lower $ref.kind)))) }}
+{{- else }}
+{{- $name := printf "%s-%s" (include "sara.fullname" .ctx) (ternary (printf "engine-%s" .pool) .pool .ctx.Values.engines.enabled) }}
+{{- toYaml (dict "apiVersion" "apps/v1" "kind" "Deployment" "name" $name "resource" "deployments") }}
+{{- end }}
+{{- end }}
