@@ -429,6 +429,9 @@ def profile_model(
         kv_bytes_per_token=model.config.kv_bytes_per_token(model.dtype),
         startup_s=max(startup_s, 0.0),
         source=source,
+        # The model's context (config.json's max_position_embeddings), which the
+        # router, the simulator and the capacity model enforce alike.
+        max_context_tokens=model.config.max_position_embeddings,
     )
     return ProfileRun(
         profile=profile,
