@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 import torch
+import transformers
 
 from workers.checkpoint import load_model, tiny_config, write_tiny_checkpoint
 
