@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -196,6 +197,65 @@ def _store(args: argparse.Namespace, state_dir: Path) -> FileConfigStore:
     return store
 
 
+def _config_sets_profile(config_file: str | None) -> bool:
+    if config_file is None:
+        return False
+    try:
+        document = json.loads(Path(config_file).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return True  # _store reports the error
+    return not isinstance(document, dict) or "profile" in document
+
+
+def _machine_key() -> str:
+    """What the iteration times of a CPU worker depend on besides the model."""
+    import hashlib
+    import platform
+
+    import torch
+
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    text = f"{cpu}|{os.cpu_count()}|torch {torch.__version__}|1 thread"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _measured_profile(model_dir: Path, cache_dir: Path) -> Path:
+    """The iteration-time profile of ``model_dir`` on this machine's CPU, measured once
+    (about 30 s, the workers' one torch thread) and cached by model and machine: the
+    controller plans with the engine it runs, not with a GPU's roofline."""
+    path = cache_dir / f"{model_dir.name}-cpu-{_machine_key()}.json"
+    if path.is_file():
+        logger.info("profile of %s on this CPU: %s (cached)", model_dir.name, path)
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    logger.info("measuring the iteration-time profile of %s on this CPU (about 30 s)", model_dir)
+    # The live demo's quick grid: the shapes one worker of this stack runs.
+    grid = ["--budget-grid", "0,64,256", "--batch-grid", "0,8,32", "--context-grid", "256,1024"]
+    done = subprocess.run(
+        python_cli(
+            *("profile", "--model", str(model_dir), "--device", "cpu", "--out", str(tmp)),
+            *("--repeats", "5", "--refine", "1", *grid),
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise UsageError(f"--profile: not given, and measuring one failed: {tail}")
+    os.replace(tmp, path)  # whole or not at all, for the next start
+    logger.info("profile of %s on this CPU: %s", model_dir.name, path)
+    return path
+
+
 def _emulated_model(profile_spec: str, state_dir: Path) -> Path:
     """A weightless model folder for ``--engine emulated``: the ``config.json`` the
     router and the workers read (vocabulary, context), named after the profile."""
@@ -223,6 +283,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the children watch this process
     state_dir = Path(args.state_dir)
+    if args.engine == "torch" and not args.profile and not _config_sets_profile(args.config):
+        # No profile named: plan with this engine's own, not a GPU's it does not run on.
+        require_torch()
+        measured = resolve_model(args.model, Path(args.model_cache)).resolve()
+        args.profile = str(_measured_profile(measured, Path(args.model_cache) / "profiles"))
     store = _store(args, state_dir)
     config = store.load().config
     api_host, api_port = common.parse_listen("--api-listen", args.api_listen)
@@ -311,7 +376,12 @@ def register(sub: Any) -> None:
     p.add_argument("--model-cache", default=str(DEFAULT_MODEL_CACHE), metavar="DIR")
     p.add_argument("--state-dir", default=".sara/serve", metavar="DIR")
     p.add_argument("--config", metavar="FILE", help="controller config JSON (GET /v1/config)")
-    p.add_argument("--profile", metavar="FILE|NAME", help="iteration-time profile")
+    p.add_argument(
+        "--profile",
+        metavar="FILE|NAME",
+        help="iteration-time profile (default: the config's; without one in the config, "
+        "--engine torch measures the model's on this CPU once and caches it)",
+    )
     p.add_argument(
         "--prometheus",
         metavar="URL",

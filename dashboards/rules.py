@@ -278,6 +278,23 @@ def controller_alerts(config: RuleConfig) -> list[dict[str, Any]]:
             },
         },
         {
+            "alert": "SaraControllerTickFailing",
+            "expr": "max by (namespace, autoscaler) (sara_controller_tick_failing) > 0",
+            "for": "2m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": (
+                    "SARA controller ticks fail in {{ $labels.namespace }}"
+                    "{{ with $labels.autoscaler }} (autoscaler {{ . }}){{ end }}"
+                ),
+                "description": (
+                    "Every control tick for 2m has failed (an actuator, profile or any "
+                    "other error), so nothing is scaled: a dead worker is not replaced. "
+                    "GET /readyz and GET /v1/status give the error; so do the logs."
+                ),
+            },
+        },
+        {
             "alert": "SaraScaleUpStuck",
             "expr": (
                 "max by (namespace, autoscaler, pool) (sara_controller_desired_replicas)\n"

@@ -397,6 +397,24 @@ def decisions_by_reason() -> Panel:
     )
 
 
+def failing_ticks() -> Panel:
+    return Panel(
+        title="Failing control ticks",
+        description=(
+            "1 while the controller's latest tick failed (an actuator, profile or any other "
+            "error: GET /readyz and /v1/status say which), 0 after one that succeeded. A "
+            "controller whose ticks fail scales nothing; SaraControllerTickFailing fires."
+        ),
+        unit="short",
+        targets=(
+            Target(
+                expr=aggregate("max", f"sara_controller_tick_failing{selector(CONTROLLER)}"),
+                legend="failing",
+            ),
+        ),
+    )
+
+
 def solve_time() -> Panel:
     return Panel(
         title="Capacity solve time P99",
@@ -576,6 +594,7 @@ ROWS: tuple[tuple[str, tuple[Callable[[], Panel], ...]], ...] = (
             predicted_vs_observed,
             model_error_ratio,
             decisions_by_reason,
+            failing_ticks,
             solve_time,
         ),
     ),
