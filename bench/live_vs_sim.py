@@ -170,8 +170,9 @@ def main() -> int:
             piece,
         ).finish()  # fmt: skip
         ev = evaluate(
-            model, prefill_workers=n, decode_workers=m, arrival_rate_rps=stats.mean_rate_rps,
-            ca2=stats.interarrival_scv, slo=slo,
+            model, prefill_workers=n, decode_workers=m,
+            arrival_rate_rps=float(stats.mean_rate_rps or 0.0),
+            ca2=float(stats.interarrival_scv or 1.0), slo=slo,
         )  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="sara-lvs-") as tmp:
             started = time.monotonic()

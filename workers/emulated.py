@@ -186,7 +186,8 @@ class EmulatedEngine(Engine):
             keep_finished_kv=keep_finished_kv,
         )
         self.kv_scale = kv_scale
-        self.runner = _EmulatedRunner(kv_width(profile, kv_scale))  # type: ignore[assignment]
+        self._kv_width = kv_width(profile, kv_scale)
+        self.runner = _EmulatedRunner(self._kv_width)  # type: ignore[assignment]
         self.waiting: deque[SchedSequence] = deque()
         self._requests: dict[int, _Request] = {}
         self._finished: dict[int, _Request] = {}
@@ -204,7 +205,7 @@ class EmulatedEngine(Engine):
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token's KV occupies in a hand-off (K and V)."""
-        return 2 * self.runner.kv.width * _ELEMENT_BYTES  # type: ignore[attr-defined]
+        return 2 * self._kv_width * _ELEMENT_BYTES
 
     def _request(
         self, seq: SchedSequence, token_ids: list[int], params: SamplingParams

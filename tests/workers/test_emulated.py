@@ -342,3 +342,18 @@ def test_the_parsers_kv_scale_default_is_the_engines() -> None:
     from cli.worker_cmd import DEFAULT_KV_SCALE as parser_default
 
     assert parser_default == DEFAULT_KV_SCALE
+
+
+@pytest.mark.parametrize("verb", [["worker", "prefill"], ["serve", "--state-dir", "STATE"]])
+def test_without_torch_sara_worker_and_serve_say_what_to_install_in_one_line(
+    verb: list[str], tmp_path: Any
+) -> None:
+    blocked = (
+        "import sys; sys.modules['torch'] = None; from cli.__main__ import main; main(sys.argv[1:])"
+    )
+    argv = [str(tmp_path) if a == "STATE" else a for a in verb]
+    out = subprocess.run(
+        [sys.executable, "-c", blocked, *argv], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "pip install" in out.stderr
