@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from queueing import erlang_c
-from queueing.ggc import WaitTail, ggc_wait_tail
+from queueing.ggc import WaitTail, _gim_sigma, _gim_wait_probability_smooth, ggc_wait_tail
 
 
 @pytest.mark.parametrize(("servers", "rho"), [(1, 0.5), (4, 0.8), (50, 0.9), (2000, 0.97)])
@@ -21,15 +22,20 @@ def test_with_poisson_arrivals_and_exponential_service_it_is_exactly_mmc(
     assert tail.decay_rate_per_s == pytest.approx(servers / mean_s - lam, rel=1e-12)
 
 
-def test_single_server_mean_wait_is_the_kingman_formula() -> None:
-    # For c = 1 the model's mean wait is rho/(1-rho) * (ca2+cs2)/2 * E[S] (Kingman).
-    rho, mean_s, ca2, cs2 = 0.7, 0.1, 2.0, 0.5
+@pytest.mark.parametrize(
+    ("ca2", "rho", "rel"), [(1.0, 0.7, 1e-12), (2.0, 0.999, 2e-3), (4.0, 0.999, 3e-3)]
+)
+def test_single_server_conditional_wait_is_kingmans_in_heavy_traffic(
+    ca2: float, rho: float, rel: float
+) -> None:
+    # For c = 1 Kingman's mean wait is rho/(1-rho) * (ca2+cs2)/2 * E[S]: exact for
+    # Poisson arrivals here at any load, the heavy-traffic limit otherwise.
+    mean_s, cs2 = 0.1, 0.5
     tail = ggc_wait_tail(
         arrival_rate_rps=rho / mean_s, mean_service_s=mean_s, servers=1, ca2=ca2, cs2=cs2
     )
-    kingman = rho / (1 - rho) * (ca2 + cs2) / 2 * mean_s
-    # P(wait) differs from rho by the Halfin-Whitt factor; the conditional mean is exact.
-    assert tail.mean_s / tail.wait_probability == pytest.approx(kingman / rho, rel=1e-12)
+    kingman_conditional = 1 / (1 - rho) * (ca2 + cs2) / 2 * mean_s
+    assert tail.mean_s / tail.wait_probability == pytest.approx(kingman_conditional, rel=rel)
 
 
 def test_burstier_arrivals_wait_more_and_longer() -> None:
@@ -51,3 +57,55 @@ def test_wait_quantile_inverts_the_survival() -> None:
     assert tail.survival(t) == pytest.approx(0.01, rel=1e-12)
     assert t == pytest.approx(math.log(30) / 5.0)
     assert WaitTail(wait_probability=0.005, decay_rate_per_s=1.0).quantile_s(0.99) == 0.0
+
+
+# --- bursty arrivals on few servers: the exact GI/M/c answer ---------------------
+
+
+def _simulate_gim_c(
+    *, servers: int, rho: float, ca2: float, arrivals: int, seed: int
+) -> tuple[float, float]:
+    """P(wait) and the mean wait of those who wait in a FCFS queue with Gamma renewal
+    arrivals (SCV ca2) and exponential service of mean 1, by the Kiefer-Wolfowitz
+    recursion (the sorted times at which each server next frees up)."""
+    rng = np.random.default_rng(seed)
+    lam = rho * servers
+    shape = 1.0 / ca2
+    gaps = rng.gamma(shape, 1.0 / (shape * lam), size=arrivals)
+    services = rng.exponential(1.0, size=arrivals)
+    free = np.zeros(servers)
+    now = 0.0
+    waits = np.empty(arrivals)
+    for i in range(arrivals):
+        now += gaps[i]
+        k = int(np.argmin(free))
+        start = max(now, free[k])
+        waits[i] = start - now
+        free[k] = start + services[i]
+    waits = waits[arrivals // 20 :]
+    waited = waits[waits > 0]
+    return float(len(waited) / len(waits)), float(waited.mean())
+
+
+@pytest.mark.parametrize("servers", [1, 2, 4, 7, 16, 64])
+@pytest.mark.parametrize("rho", [0.3, 0.5, 0.75, 0.9])
+def test_the_gim_c_formula_is_erlang_c_for_poisson_arrivals(servers: int, rho: float) -> None:
+    # Includes c (1 - rho) = j exactly (c = 4, rho = 0.5 or 0.75), a removable 0/0.
+    lam = rho * servers
+    sigma = _gim_sigma(lam, 1.0, servers, 1.0 + 1e-13)
+    assert sigma == pytest.approx(rho, rel=1e-9)
+    exact = _gim_wait_probability_smooth(lam, 1.0, servers, 1.0 + 1e-13, sigma)
+    assert exact == pytest.approx(erlang_c(servers, lam), rel=1e-6)
+
+
+@pytest.mark.parametrize(("servers", "rho", "ca2"), [(4, 0.3, 4.0), (1, 0.5, 2.0), (8, 0.6, 4.0)])
+def test_bursty_arrivals_on_few_servers_wait_as_often_and_as_long_as_simulated(
+    servers: int, rho: float, ca2: float
+) -> None:
+    tail = ggc_wait_tail(
+        arrival_rate_rps=rho * servers, mean_service_s=1.0, servers=servers, ca2=ca2, cs2=1.0
+    )
+    p_sim, mean_sim = _simulate_gim_c(servers=servers, rho=rho, ca2=ca2, arrivals=60_000, seed=3)
+    # 60,000 correlated arrivals: a few per cent of sampling error.
+    assert tail.wait_probability == pytest.approx(p_sim, rel=0.08)
+    assert 1.0 / tail.decay_rate_per_s == pytest.approx(mean_sim, rel=0.1)

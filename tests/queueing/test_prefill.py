@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from scipy import optimize
 
 from queueing.ggc import WaitTail
 from queueing.lengths import LengthSamples
@@ -143,9 +144,20 @@ def test_while_prompts_queue_the_wait_decays_at_the_packed_drain_rate(
     samples: LengthSamples, profile: IterationProfile
 ) -> None:
     model = PrefillModel.build(samples, profile, token_budget=2048)
-    workers, ca2 = 4, 2.0
+    workers = 4
     rate = 0.8 * workers / model.mean_service_s
-    tail = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=ca2)
-    z = (ca2 + model.packed_scv) / 2
     drain_per_s = workers / model.packed_service_s - rate
-    assert tail.decay_rate_per_s == pytest.approx(drain_per_s / z, rel=1e-12)
+    poisson = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=1.0)
+    assert poisson.decay_rate_per_s == pytest.approx(
+        drain_per_s / ((1 + model.packed_scv) / 2), rel=1e-12
+    )
+    # Gamma arrivals (ca2 = 2): the GI/M/c rate c mu (1 - sigma) at the packed times,
+    # sigma = A*(c mu (1 - sigma)), carried to the packed SCV as (1 + ca2) / (ca2 + cs2).
+    ca2 = 2.0
+    service_rate = workers / model.packed_service_s
+    sigma = optimize.brentq(
+        lambda x: (1 + service_rate * (1 - x) * ca2 / rate) ** (-1 / ca2) - x, 0.0, 0.9999
+    )
+    bursty = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=ca2)
+    expected = service_rate * (1 - sigma) * (1 + ca2) / (ca2 + model.packed_scv)
+    assert bursty.decay_rate_per_s == pytest.approx(expected, rel=1e-9)
