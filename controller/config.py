@@ -396,6 +396,51 @@ class ForecastConfig:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class LeadTimeConfig:
+    """Sizing each pool for an upper quantile of the rate over its lead time (its
+    measured worker start-up plus one tick), the quantile's level the SLO's
+    percentile; the length mix and the inter-arrival SCV pooled over pool_s."""
+
+    enabled: bool = knob(
+        default=True,
+        doc="Plan for the upper quantile of the rate over the lead time (off: the "
+        "smoothed rate).",
+    )
+    startup_prior_s: float = knob(
+        default=120.0,
+        unit="s",
+        ge=0,
+        le=86_400,
+        doc="A worker's start-up assumed until the pool's first scale-up is measured, "
+        "seconds.",
+    )
+    startup_ema_weight: float = knob(
+        default=0.2,
+        gt=0,
+        le=1,
+        doc="Weight of the newest measured start-up once the first 1/weight are averaged.",
+    )
+    history_s: float = knob(
+        default=3600.0,
+        unit="s",
+        gt=0,
+        le=604_800,
+        doc="How far back the rate's moves over a lead time are read, seconds.",
+    )
+    pool_s: float = knob(
+        default=300.0,
+        unit="s",
+        gt=0,
+        le=86_400,
+        doc="The length mix and the inter-arrival SCV are pooled over this many seconds "
+        "of windows.",
+    )
+
+    def validate(self, path: str) -> None:
+        _check_block(self, path)
+
+
 class MetricsFlavor(enum.Enum):
     """Whose metric names the Prometheus queries read (controller.sources.flavors)."""
 
@@ -636,6 +681,10 @@ class ControllerConfig:
     forecast: ForecastConfig = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
         default_factory=ForecastConfig,
         doc="Forecasting the arrival rate one worker start-up ahead.",
+    )
+    lead_time: LeadTimeConfig = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
+        default_factory=LeadTimeConfig,
+        doc="Sizing for the rate over each pool's lead time, with its uncertainty.",
     )
     metrics: MetricsConfig = knob(  # noqa: RUF009 (knob returns a dataclasses.field)
         default_factory=MetricsConfig,

@@ -3,7 +3,10 @@
 Applied per pool in this order (HPA-style: each step returns its value and, when it
 changed something, a reason):
 
-safety     — a scale-down must also meet the SLOs at the *current* raw rate;
+safety     — a scale-down must also meet the SLOs at the *current* raw rate and at
+             the upper quantile of the rate over a scale-up's lead time (a
+             smaller pool is safe when it holds what may come before a worker
+             added back would serve);
 dead-band  — ignore relative changes below the band;
 stabilise  — a lower recommendation must hold for the stabilisation window, and
              the pool scales down to the highest recommendation seen in it;
@@ -202,7 +205,10 @@ def normalise(
     config: ControllerConfig,
     now_s: float,
 ) -> tuple[int, PoolState, list[ReasonEntry]]:
-    """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool."""
+    """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool.
+
+    ``raw_rate_rps`` is the rate the safety check judges a scale-down at: the larger
+    of the window's measured rate and the pool's lead-time upper quantile."""
     entries: list[ReasonEntry] = []
 
     def note(entry: ReasonEntry | None) -> None:

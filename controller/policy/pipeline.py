@@ -6,8 +6,12 @@ the control loop, the simulator's back-testing and the tests all run this one co
 function in its own module returning its value and a reason (HPA-style):
 
 1. validate   (smoothing)     — hold on missing, NaN, negative or stale data;
-2. smooth     (smoothing)     — EMA of the rate, burst and overload bypasses, the
-                                forecast (which only raises the planning rate);
+2. smooth     (smoothing, leadtime)
+                              — start-ups measured, the length mix and SCV pooled,
+                                EMA of the rate with shift, burst and overload
+                                bypasses, each pool's upper quantile of the rate
+                                over its lead time, the forecast (which only
+                                raises the planning rate);
 3. calibrate  (calibration)   — observed / predicted P99 per pool, outside transients;
 4. recommend  (recommend)     — the solver at the planning rate with headroom;
 5. normalise  (normalisation) — safety at the raw rate, dead-band, stabilisation,
@@ -25,6 +29,18 @@ from controller.config import ControllerConfig, Mode
 from controller.observation import Observation, usable
 from controller.policy.calibration import calibrate
 from controller.policy.decision import Decision, PoolDecision
+from controller.policy.leadtime import (
+    bound_entry,
+    lead_time_s,
+    measure_startup,
+    pool_window,
+    pooled_lengths,
+    pooled_scv,
+    rate_upper,
+    record_rate,
+    risk_z,
+    window_spread,
+)
 from controller.policy.models import CapacityModels
 from controller.policy.normalisation import clamp, normalise
 from controller.policy.recommend import recommend
@@ -35,13 +51,13 @@ from controller.policy.smoothing import (
     validate,
     with_forecast,
 )
-from controller.policy.state import ControllerState, PoolState
+from controller.policy.state import ControllerState, PoolState, RateSample
 from controller.policy.steady import overloaded
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage, outcome
 from queueing.catalog import resolve_profile
 from queueing.pools import PerPool, Pool
 from queueing.profile import IterationProfile
-from queueing.solver import CapacityModel, evaluate_pool
+from queueing.solver import DEFAULT_QUANTILE, CapacityModel, evaluate_pool
 
 
 def decide(
@@ -69,36 +85,88 @@ def decide(
     reasons: list[ReasonEntry] = [entry]
     profile = profile or resolve_profile(config.profile)
     raw_rate = float(observation.arrival_rate_rps or 0.0)
-    ca2 = observation.interarrival_scv if usable(observation.interarrival_scv) else None
-    ca2_value = 1.0 if ca2 is None else float(ca2)
+    z = risk_z(DEFAULT_QUANTILE)
+    lead = config.lead_time
+    seen_scv = observation.interarrival_scv if usable(observation.interarrival_scv) else None
 
-    lengths, lengths_entry = choose_lengths(observation, state)
+    # Start-ups measured from the actuator's replicas (decision to ready).
+    measured_pools: dict[Pool, PoolState] = {}
+    for pool in Pool:
+        pstate, maybe = measure_startup(
+            pool, observation.replicas(pool), state.pools[pool], config, now_s
+        )
+        measured_pools[pool] = pstate
+        reasons.extend([maybe] if maybe else [])
+
+    # The length mix and the SCV pooled over lead.pool_s of windows, this one included.
+    windows = pool_window(
+        state.length_windows, observation.lengths, now_s=now_s, pool_s=lead.pool_s
+    )
+    lengths, lengths_entry = choose_lengths(
+        pooled_lengths(windows, now_s=now_s), state.lengths
+    )
+    this_tick = RateSample(time_s=now_s, rate_rps=raw_rate, estimate_rps=raw_rate, scv=seen_scv)
+    pooled = pooled_scv((*state.rates, this_tick), now_s=now_s, pool_s=lead.pool_s)
+    ca2_value = 1.0 if pooled is None else pooled
     model = models.get(lengths, profile, config)
     behind = PerPool.build(
         lambda pool: overloaded(pool, observation, model, state.pools[pool].predicted_p99_s)
     )
 
-    smoothed, entry = smooth(observation, state, config)
+    spread = window_spread(
+        state.rates, now_s=now_s, pool_s=lead.pool_s, interval_s=config.interval_s
+    )
+    smoothed, entry = smooth(
+        observation, state, config, ca2=ca2_value, spread_rps=spread or 0.0, z=z
+    )
     reasons.append(entry)
     if lengths_entry is not None:
         reasons.append(lengths_entry)
-    rate, maybe = plan_for_overload(smoothed, raw_rate, behind)
+    estimate, maybe = plan_for_overload(smoothed, raw_rate, behind)
     reasons.extend([maybe] if maybe else [])
+    rates = record_rate(
+        state.rates,
+        replace(this_tick, estimate_rps=estimate),
+        keep_s=lead.history_s + 2 * max(lead_time_s(p, config) for p in measured_pools.values()),
+    )
+    # Each pool plans for the upper quantile of the rate over its own lead time.
+    upper = PerPool.build(
+        lambda pool: rate_upper(
+            rates[:-1],
+            estimate_rps=estimate,
+            ca2=ca2_value,
+            lead_s=lead_time_s(measured_pools[pool], config),
+            z=z,
+            config=config,
+            now_s=now_s,
+        )
+    )
+    if lead.enabled:
+        planned = upper.map(lambda b: b.upper_rps)
+        reasons.extend(bound_entry(pool, b, z) for pool, b in upper.items())
+    else:
+        planned = PerPool.both(estimate)
     forecast = forecast_rate_rps if usable(forecast_rate_rps) else None
-    rate, maybe = with_forecast(rate, forecast)
-    reasons.extend([maybe] if maybe else [])
+    raised = planned
+    for pool in Pool:
+        value, maybe = with_forecast(planned[pool], forecast)
+        raised = raised.with_value(pool, value)
+        if maybe is not None and pool is Pool.PREFILL:
+            reasons.append(maybe)
+    planned = raised
+    rate = max(planned.prefill, planned.decode)
 
     calibration = calibrate(observation, state, config, behind, now_s)
     reasons.extend(c.entry for _, c in calibration.items() if c.entry is not None)
     recommended, aimed, entry = recommend(
-        model, rate, ca2_value, config, calibration.map(lambda c: c.factor)
+        model, planned, ca2_value, config, calibration.map(lambda c: c.factor)
     )
     reasons.append(entry)
 
     normalised: dict[Pool, tuple[int, PoolState]] = {}
     for pool in Pool:
         pstate = replace(
-            state.pools[pool],
+            measured_pools[pool],
             calibration=calibration[pool].factor,
             transient_s=calibration[pool].transient_s,
         )
@@ -108,7 +176,7 @@ def decide(
             current[pool],
             pstate,
             model=model,
-            raw_rate_rps=raw_rate,
+            raw_rate_rps=max(raw_rate, planned[pool]) if lead.enabled else raw_rate,
             ca2=ca2_value,
             aimed=aimed,
             config=config,
@@ -127,6 +195,9 @@ def decide(
         pstate = normalised[pool][1]
         if targets[pool] != current[pool]:
             pstate = replace(pstate, last_change_s=now_s, below_since_s=None, below_max=None)
+            if targets[pool] > current[pool] and not advisory:
+                # Timed until every asked-for worker is ready (``measure_startup``).
+                pstate = replace(pstate, scale_up_since_s=now_s, scale_up_to=targets[pool])
             verdict = Reason.SCALE_UP if targets[pool] > current[pool] else Reason.SCALE_DOWN
             detail = f"{current[pool]} -> {targets[pool]}"
         else:
@@ -179,6 +250,8 @@ def decide(
             last_tick_s=now_s,
             pools=PerPool.build(lambda pool: pool_states[pool]),
             lengths=lengths,
+            rates=rates,
+            length_windows=windows,
         ),
         reasons=explained,
         raw_rate_rps=raw_rate,

@@ -1,4 +1,4 @@
-"""The solver's answer at the planning rate, with headroom and calibration."""
+"""The solver's answer at each pool's planning rate, with headroom and calibration."""
 
 from __future__ import annotations
 
@@ -13,14 +13,50 @@ ABOVE_FLOOR = 1.2
 
 def recommend(
     model: CapacityModel,
+    rates_rps: PerPool[float],
+    ca2: float,
+    config: ControllerConfig,
+    factors: PerPool[float],
+) -> tuple[PerPool[int], SloTargets, ReasonEntry]:
+    """The solver's answer at each pool's planning rate (the pools' lead times
+    differ, so may their rates), the (calibrated, possibly relaxed) SLO it aimed at —
+    the safety stage judges scale-downs against the same targets — and the reason."""
+    if rates_rps.prefill == rates_rps.decode:
+        return _recommend(model, rates_rps.prefill, ca2, config, factors)
+    both = PerPool.build(lambda pool: _recommend(model, rates_rps[pool], ca2, config, factors))
+    workers = PerPool(prefill=both.prefill[0].prefill, decode=both.decode[0].decode)
+    aimed = SloTargets(
+        ttft_p99_s=both.prefill[1].ttft_p99_s,
+        tpot_p99_s=both.decode[1].tpot_p99_s,
+        quantile=both.prefill[1].quantile,
+    )
+    first, second = both.prefill[2], both.decode[2]
+    reason = (
+        Reason.SLO_INFEASIBLE
+        if Reason.SLO_INFEASIBLE in (first.reason, second.reason)
+        else Reason.RECOMMENDED
+    )
+    return (
+        workers,
+        aimed,
+        ReasonEntry(
+            stage=Stage.RECOMMEND,
+            reason=reason,
+            pool=None,
+            detail=f"prefill at {rates_rps.prefill:.3g} req/s: {first.detail}; "
+            f"decode at {rates_rps.decode:.3g} req/s: {second.detail}",
+        ),
+    )
+
+
+def _recommend(
+    model: CapacityModel,
     rate_rps: float,
     ca2: float,
     config: ControllerConfig,
     factors: PerPool[float],
 ) -> tuple[PerPool[int], SloTargets, ReasonEntry]:
-    """The solver's answer at the planning rate, the (calibrated, possibly relaxed) SLO
-    it aimed at — the safety stage judges scale-downs against the same targets — and
-    the reason."""
+    """The solver's answer for both pools at one rate."""
     slo = SloTargets(
         ttft_p99_s=config.slo.ttft_p99_s / factors.prefill,
         tpot_p99_s=config.slo.tpot_p99_s / factors.decode,

@@ -2,13 +2,15 @@
 
 - ``validate``: missing, NaN, negative or stale measurements hold the pools (never
   scale down on missing data);
-- ``smooth``: EMA of the arrival rate (0.7·old + 0.3·new by default); a short
-  window far above the EMA bypasses smoothing upwards (burst);
+- ``smooth``: EMA of the arrival rate (0.7·old + 0.3·new by default), except where a
+  count is significantly beyond the noise the measured SCV implies: a window's rate
+  that moved (shift) is taken as it is, a short window far above it (burst) bypasses
+  smoothing upwards;
 - ``plan_for_overload``: the measured rate while a pool's serving workers fall
   behind it (the EMA's lag is then on the wrong side);
 - ``with_forecast``: a forecast raises the planning rate (never lowers it) and
   nothing else; the EMA itself follows measurements only;
-- ``choose_lengths``: the observed length mix, switched to only when it moved.
+- ``choose_lengths``: the pooled length mix, switched to only when it moved.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import numpy as np
 
 from controller.config import ControllerConfig
 from controller.observation import Observation, usable
+from controller.policy.leadtime import risk_z, significant
 from controller.policy.state import ControllerState
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.lengths import LengthSamples
 from queueing.pools import PerPool
+from queueing.solver import DEFAULT_QUANTILE
+
+P99_Z = risk_z(DEFAULT_QUANTILE)
 
 
 def validate(
@@ -52,9 +58,29 @@ def validate(
 
 
 def smooth(
-    observation: Observation, state: ControllerState, config: ControllerConfig
+    observation: Observation,
+    state: ControllerState,
+    config: ControllerConfig,
+    *,
+    ca2: float = 1.0,
+    spread_rps: float = 0.0,
+    z: float = P99_Z,
 ) -> tuple[float, ReasonEntry]:
-    """EMA of the arrival rate, bypassed upwards by a burst."""
+    """EMA of the arrival rate, except where the evidence says the rate moved.
+
+    Both tests judge a count against the noise a renewal process of gap SCV ``ca2``
+    (the pooled measurement) would show at the old estimate, or the spread of the
+    window's rate seen over the last ticks (``spread_rps``, ``leadtime.window_spread``)
+    when larger, at ``z`` standard deviations (``leadtime.significant``):
+
+    - a *shift*: the window's count is significantly above or below the estimate's
+      (the rate stepped: the estimate takes the measured rate, rather than reaching
+      it over several ticks of EMA);
+    - a *burst*: the short burst window's count is significantly above the estimate's
+      and its rate is above ``burst_ratio`` x the EMA (a practical size as well as
+      a significant one): the plan takes the largest of the EMA, the window's rate
+      and the burst's.
+    """
     measured = float(observation.arrival_rate_rps or 0.0)
     old = state.smoothed_rate_rps
     if old is None:
@@ -67,13 +93,31 @@ def smooth(
     ema = (1.0 - config.ema_weight) * old + config.ema_weight * measured
     burst = observation.burst_arrival_rate_rps
     if usable(burst) and burst is not None and burst > config.burst_ratio * ema:
-        rate = max(ema, measured, burst)
-        return rate, ReasonEntry(
+        window_s = config.burst_window_s
+        beyond, score = significant(
+            burst * window_s, old * window_s, ca2, z, spread_count=spread_rps * window_s
+        )
+        if beyond and score > 0:
+            rate = max(ema, measured, burst)
+            return rate, ReasonEntry(
+                stage=Stage.SMOOTH,
+                reason=Reason.BURST_DETECTED,
+                pool=None,
+                detail=f"burst {burst:.3g} req/s, {score:.1f} sd above the estimate "
+                f"{old:.3g} (SCV {ca2:.3g}) and > {config.burst_ratio:g} x EMA {ema:.3g}: "
+                f"planning for {rate:.3g} req/s",
+            )
+    window_s = config.window_s
+    beyond, score = significant(
+        measured * window_s, old * window_s, ca2, z, spread_count=spread_rps * window_s
+    )
+    if beyond:
+        return measured, ReasonEntry(
             stage=Stage.SMOOTH,
-            reason=Reason.BURST_DETECTED,
+            reason=Reason.RATE_SHIFTED,
             pool=None,
-            detail=f"burst {burst:.3g} req/s > {config.burst_ratio:g} x EMA {ema:.3g}: "
-            f"planning for {rate:.3g} req/s",
+            detail=f"measured {measured:.3g} req/s is {score:+.1f} sd from the estimate "
+            f"{old:.3g} (SCV {ca2:.3g}): the rate moved, the estimate follows",
         )
     return ema, ReasonEntry(
         stage=Stage.SMOOTH,
@@ -127,11 +171,11 @@ def with_forecast(
 
 
 def choose_lengths(
-    observation: Observation, state: ControllerState
+    seen: LengthSamples | None, kept: LengthSamples | None
 ) -> tuple[LengthSamples, ReasonEntry | None]:
-    """Switch to the observed length mix only when it moved (keeps the model cache warm)."""
-    seen = observation.lengths
-    kept = state.lengths
+    """Switch to the ``seen`` mix (the pooled one) only when it moved from the ``kept``
+    one (keeps the model cache warm, and the recommendation still when only the
+    sampling noise moved)."""
     if seen is None:
         assert kept is not None  # validate() guarantees one of them
         return kept, None
@@ -141,7 +185,7 @@ def choose_lengths(
         stage=Stage.SMOOTH,
         reason=Reason.LENGTHS_UPDATED,
         pool=None,
-        detail=f"length mix: mean prompt {float(seen.prompt_tokens.mean()):.0f}, "
+        detail=f"length mix ({seen.source}): mean prompt {float(seen.prompt_tokens.mean()):.0f}, "
         f"mean output {float(seen.output_tokens.mean()):.0f} tokens",
     )
 

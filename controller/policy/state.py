@@ -2,7 +2,8 @@
 
 The state is persisted after every tick (a file beside the controller, or the
 ``SLOAutoscaler``'s ``status.policyState``), so a restarted controller resumes its
-EMA, cooldowns, stabilisation windows and calibration instead of starting over.
+EMA, cooldowns, stabilisation windows, calibration, measured start-ups, the recent
+rates the lead-time bound reads and the pooled length mix instead of starting over.
 """
 
 from __future__ import annotations
@@ -27,6 +28,29 @@ class PoolState:
     predicted_p99_s: float | None = None  # at the replicas and load of the last tick
     predicted_for_replicas: int | None = None
     transient_s: float | None = None  # the last tick that saw the pool in a transient
+    scale_up_since_s: float | None = None  # a scale-up not yet all ready: decided then
+    scale_up_to: int | None = None  # ... to this many workers
+    startup_s: float | None = None  # measured decision-to-ready start-up, seconds
+    startup_samples: int = 0  # scale-ups measured
+
+
+@dataclass(frozen=True, kw_only=True)
+class RateSample:
+    """One tick's measured arrival rate, the estimate after it, and the window's SCV."""
+
+    time_s: float
+    rate_rps: float
+    estimate_rps: float
+    scv: float | None
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LengthWindow:
+    """One measurement window's share of the pooled length mix."""
+
+    time_s: float
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
 
 
 def _fresh_pools() -> PerPool[PoolState]:
@@ -41,6 +65,8 @@ class ControllerState:
     last_tick_s: float | None = None
     pools: PerPool[PoolState] = field(default_factory=_fresh_pools)
     lengths: LengthSamples | None = None
+    rates: tuple[RateSample, ...] = ()
+    length_windows: tuple[LengthWindow, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +80,15 @@ class ControllerState:
                 "output_tokens": self.lengths.output_tokens.tolist(),
                 "source": self.lengths.source,
             },
+            "rates": [vars(r).copy() for r in self.rates],
+            "length_windows": [
+                {
+                    "time_s": w.time_s,
+                    "prompt_tokens": w.prompt_tokens.tolist(),
+                    "output_tokens": w.output_tokens.tolist(),
+                }
+                for w in self.length_windows
+            ],
         }
 
     @classmethod
@@ -69,5 +104,14 @@ class ControllerState:
                 prompt_tokens=np.asarray(lengths["prompt_tokens"], dtype=np.int64),
                 output_tokens=np.asarray(lengths["output_tokens"], dtype=np.int64),
                 source=str(lengths["source"]),
+            ),
+            rates=tuple(RateSample(**r) for r in data.get("rates", ())),
+            length_windows=tuple(
+                LengthWindow(
+                    time_s=float(w["time_s"]),
+                    prompt_tokens=np.asarray(w["prompt_tokens"], dtype=np.int64),
+                    output_tokens=np.asarray(w["output_tokens"], dtype=np.int64),
+                )
+                for w in data.get("length_windows", ())
             ),
         )

@@ -24,6 +24,7 @@ from controller.config import (
     ConfigError,
     ControllerConfig,
     ForecastConfig,
+    LeadTimeConfig,
     MetricsConfig,
     MetricsFlavor,
     Mode,
@@ -483,6 +484,9 @@ EVERYTHING_CHANGED = ControllerConfig(
         period_s=604800.0,
         seasonal_smoothing_s=600.0,
         max_level_ratio=1.5,
+    ),
+    lead_time=LeadTimeConfig(
+        enabled=False, startup_prior_s=60.0, startup_ema_weight=0.5, history_s=900.0, pool_s=120.0
     ),
     metrics=MetricsConfig(
         flavor=MetricsFlavor.CUSTOM,

@@ -23,8 +23,9 @@ from controller.policy import (
 )
 from controller.policy import decide as decide_with
 from controller.policy.forecast import RecordedArrivals
-from controller.policy.normalisation import cooldown, dead_band, rate_limit, stabilise
+from controller.policy.normalisation import cooldown, dead_band, rate_limit, safety, stabilise
 from controller.policy.smoothing import smooth
+from controller.policy.state import RateSample
 from controller.tick import run_tick
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
@@ -179,12 +180,16 @@ def test_the_seed_defaults_are_the_documented_ones() -> None:
     ("old", "measured", "burst", "expected", "reason"),
     [
         (None, 10.0, None, 10.0, Reason.RATE_INITIALISED),
-        (10.0, 20.0, None, 13.0, Reason.RATE_SMOOTHED),  # 0.7 * 10 + 0.3 * 20
-        (10.0, 10.0, 30.0, 30.0, Reason.BURST_DETECTED),  # 30 > 1.5 * 10
+        # Poisson (SCV 1) over the 30-s window: 330 against 300 expected is 1.7 sd.
+        (10.0, 11.0, None, 10.3, Reason.RATE_SMOOTHED),  # 0.7 * 10 + 0.3 * 11
+        # 600 against 300 is 17 sd: the rate moved, the estimate follows.
+        (10.0, 20.0, None, 20.0, Reason.RATE_SHIFTED),
+        (10.0, 5.0, None, 5.0, Reason.RATE_SHIFTED),  # 150 against 300: -8.7 sd
+        (10.0, 10.0, 30.0, 30.0, Reason.BURST_DETECTED),  # 150 against 50 in 5 s: 14 sd
         (10.0, 10.0, 14.0, 10.0, Reason.RATE_SMOOTHED),  # 14 < 1.5 * 10: no burst
     ],
 )
-def test_smoothing_is_an_ema_bypassed_upwards_by_a_burst(
+def test_smoothing_is_an_ema_except_where_a_count_is_beyond_its_noise(
     old: float | None, measured: float, burst: float | None, expected: float, reason: Reason
 ) -> None:
     state = ControllerState(smoothed_rate_rps=old)
@@ -267,22 +272,17 @@ def test_missing_nan_negative_or_stale_metrics_hold_with_metrics_stale(
 
 
 def test_a_scale_down_unsafe_at_the_current_raw_rate_is_refused() -> None:
-    # The smoothed rate is low (it recommends one worker) but the raw rate right now is
-    # high: the pools already hold exactly what that raw rate needs, so any removal
-    # would miss the SLO at the current load.
-    needed = decide(observation(0.0, 40.0, 1, 1), ControllerState(), CONFIG, now_s=0.0)
-    assert recommended(needed) is not None
-    n, m = recommended(needed)
-    state = ControllerState(
-        smoothed_rate_rps=0.5,
-        lengths=LENGTHS,
-        pools=PerPool.both(PoolState(below_since_s=0.0, below_max=1)),
-    )
-    config = replace(CONFIG, ema_weight=0.01)
-    d = decide(observation(1000.0, 40.0, n, m), state, config, now_s=1000.0)
-    assert recommended(d) is not None and recommended(d)[0] < n
-    assert d.target(Pool.PREFILL) == n
-    assert any(r.reason is Reason.SCALE_DOWN_UNSAFE and r.pool is Pool.PREFILL for r in d.reasons)
+    # The pools hold exactly what 40 req/s needs (the solver's answer), so a plan for
+    # one worker each, made for a lower rate, would miss the SLO at the rate the
+    # safety stage judges at: it keeps the smallest safe count instead.
+    model = MODELS.get(LENGTHS, PROFILE, CONFIG)
+    slo = SloTargets(ttft_p99_s=CONFIG.slo.ttft_p99_s, tpot_p99_s=CONFIG.slo.tpot_p99_s)
+    needed = solve(model, arrival_rate_rps=40.0, ca2=1.0, slo=slo, headroom=CONFIG.headroom)
+    n = needed.prefill_workers
+    assert n > 1
+    got, entry = safety(Pool.PREFILL, 1, n, model, 40.0, 1.0, slo, CONFIG.headroom)
+    assert got == n
+    assert entry is not None and entry.reason is Reason.SCALE_DOWN_UNSAFE
 
 
 def test_advisory_mode_decides_but_never_actuates() -> None:
@@ -450,21 +450,25 @@ def test_a_forecast_below_the_smoothed_rate_or_unusable_changes_nothing(
     plain = decide(obs, d0.state, CONFIG, now_s=30.0)
     other = decide(obs, d0.state, CONFIG, now_s=30.0, forecast_rate_rps=forecast)
     assert recommended(other) == recommended(plain)
-    assert other.planning_rate_rps == plain.smoothed_rate_rps
+    assert other.planning_rate_rps == plain.planning_rate_rps
     assert not any(r.reason is Reason.FORECAST_RAISED for r in other.reasons)
 
 
 def test_while_the_serving_workers_fall_behind_the_plan_follows_the_measured_rate() -> None:
-    d0 = _steady()
     flood = 2 * 2 / MIN_PROMPT_S  # twice what two workers could ever serve
+    # 3 % above the last estimate is within the Poisson noise of a 30-s window (the
+    # shift test does not fire), so only the overload rule lifts the plan to it.
+    assert 0.03 * flood * 30 < 2.326 * math.sqrt(0.97 * flood * 30)
+    d0 = _steady(rate=0.97 * flood)
     behind = decide(observation(30.0, flood, 2, 1), d0.state, CONFIG, now_s=30.0)
-    assert behind.planning_rate_rps == flood
-    assert behind.smoothed_rate_rps == pytest.approx(0.7 * 8.0 + 0.3 * flood)
+    ema = 0.7 * 0.97 * flood + 0.3 * flood
+    assert behind.smoothed_rate_rps == pytest.approx(ema)
+    assert behind.planning_rate_rps is not None and behind.planning_rate_rps >= flood
     assert any(r.reason is Reason.OVERLOAD_DETECTED for r in behind.reasons)
     # The same rise on a pool with room for it: the EMA as usual.
-    roomy = decide(observation(0.0, 8.0, 40, 4), ControllerState(), CONFIG, now_s=0.0)
+    roomy = decide(observation(0.0, 0.97 * flood, 40, 4), ControllerState(), CONFIG, now_s=0.0)
     calm = decide(observation(30.0, flood, 40, 4), roomy.state, CONFIG, now_s=30.0)
-    assert calm.planning_rate_rps == pytest.approx(0.7 * 8.0 + 0.3 * flood)
+    assert calm.smoothed_rate_rps == pytest.approx(ema)
     assert not any(r.reason is Reason.OVERLOAD_DETECTED for r in calm.reasons)
 
 
@@ -634,18 +638,46 @@ def _scenarios() -> dict[Reason, Decision]:
     out[Reason.FORECAST_RAISED] = decide(
         observation(30.0, 8.0, 2, 1), steady.state, CONFIG, now_s=30.0, forecast_rate_rps=16.0
     )
-    # Twice the most two workers could serve: they fall behind, the EMA's lag is skipped.
+    # Twice the most two workers could serve (within the noise of the last estimate,
+    # so not a shift): they fall behind, the EMA's lag is skipped.
     flood = 2 * 2 / MIN_PROMPT_S
+    near = _steady(rate=0.97 * flood)
     out[Reason.OVERLOAD_DETECTED] = decide(
-        observation(30.0, flood, 2, 1), steady.state, CONFIG, now_s=30.0
+        observation(30.0, flood, 2, 1), near.state, CONFIG, now_s=30.0
     )
-    # Smoothed rate low, raw rate high: removing workers is unsafe at the current load.
+    # The planning rate has fallen (a plan for fewer workers) but the pools hold what
+    # the current raw rate needs: removing workers is unsafe at the current load.
     need = recommended(decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0)) or (1, 1)
-    low = ControllerState(smoothed_rate_rps=0.5, lengths=LENGTHS)
-    out[Reason.SCALE_DOWN_UNSAFE] = decide(
-        observation(0.0, 40.0, *need), low, replace(CONFIG, ema_weight=0.01), now_s=0.0
+    out[Reason.SCALE_DOWN_UNSAFE] = _unsafe_scale_down(need)
+    out[Reason.RATE_SHIFTED] = decide(
+        observation(30.0, 80.0, 2, 2), settled, CONFIG, now_s=30.0
+    )
+    out[Reason.LEAD_TIME_PLANNED] = out[Reason.RATE_SMOOTHED]
+    # A scale-up to 3 decided at 0 s, all 3 ready at the 60-s tick.
+    pending = ControllerState(
+        smoothed_rate_rps=40.0,
+        lengths=LENGTHS,
+        pools=PerPool.both(PoolState(scale_up_since_s=0.0, scale_up_to=3)),
+    )
+    out[Reason.STARTUP_MEASURED] = decide(
+        observation(60.0, 40.0, 3, 3), pending, CONFIG, now_s=60.0
     )
     return out
+
+
+def _unsafe_scale_down(need: tuple[int, int]) -> Decision:
+    """A tick whose plan is below ``need`` while the raw rate needs all of it: the
+    estimate 0.5 req/s and the raw 40 req/s, with the shift test out of reach (the
+    window-to-window spread of the recorded rates is huge)."""
+    rates = tuple(
+        RateSample(time_s=t, rate_rps=r, estimate_rps=0.5, scv=1.0)
+        for t, r in zip((-120.0, -90.0, -60.0, -30.0), (0.0, 400.0, 0.0, 400.0), strict=True)
+    )
+    low = ControllerState(smoothed_rate_rps=0.5, lengths=LENGTHS, rates=rates)
+    config = replace(
+        CONFIG, ema_weight=0.01, lead_time=replace(CONFIG.lead_time, enabled=False)
+    )
+    return decide(observation(0.0, 40.0, *need), low, config, now_s=0.0)
 
 
 SCENARIOS = _scenarios()

@@ -1,0 +1,309 @@
+"""Planning for the rate a worker started now will serve, with the estimate's uncertainty.
+
+A worker added now serves only after the pool's start-up; until then the pool has
+what it has. So the rate that matters is the one over the next ``lead time`` =
+start-up + one tick, and the pool is sized for an *upper quantile* of it, not for a
+point estimate plus a fixed margin:
+
+- ``measure_startup``: each pool's start-up, measured online from the actuator
+  (decision to ready: the tick that scaled the pool up, to the first tick that sees
+  every asked-for worker ready), a running mean kept in the policy state;
+- ``rate_upper``: the upper quantile of the rate over the lead time. Its spread has
+  two parts: the estimate's own noise (a renewal process of inter-arrival SCV c²
+  counted over W seconds has a count variance of about λ·W·c², so a rate measured
+  over W has variance λ·c²/W, and the EMA keeps w/(2-w) of it), and how the rate
+  actually moved over horizons of that length in the recent history (the upward
+  errors of past estimates against the rate realised over the lead time after them,
+  net of the counting noise of that realised rate, which the solver's queueing
+  model already carries through c²);
+- ``significant``: whether a count is beyond the noise the measured SCV implies for
+  the estimate, or the window-to-window spread actually seen when that is larger
+  (``window_spread``; the burst and rate-shift tests of ``smoothing``);
+- ``pooled_lengths`` / ``pooled_scv``: the length mix and the SCV pooled over a
+  longer horizon than one window, so a recommendation moves when the mix does and
+  not with the sampling noise of a few dozen heavy-tailed requests.
+
+The quantile's level is the SLO's percentile (``risk_z``): the pools are sized so
+that the rate over a lead time exceeds the plan no more often than the SLO lets a
+request miss (docs/backtesting.md, "Lead-time-aware provisioning").
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from statistics import NormalDist
+
+import numpy as np
+
+from controller.config import ControllerConfig
+from controller.observation import PoolObservation
+from controller.policy.state import LengthWindow, PoolState, RateSample
+from controller.policy.vocabulary import Reason, ReasonEntry, Stage
+from queueing.lengths import LengthSamples
+from queueing.pools import Pool
+
+# The fewest past estimates whose lead-time error is known before the history's
+# spread is used (below it, only the estimate's own noise is).
+MIN_HISTORY = 3
+# At most this many (prompt, output) samples are kept per measurement window of the
+# pooled mix (an evenly strided subset), which bounds the persisted state.
+MAX_WINDOW_SAMPLES = 256
+
+
+def risk_z(quantile: float) -> float:
+    """The standard-normal quantile of the SLO's percentile (2.326 for P99)."""
+    if not 0.5 <= quantile < 1.0:
+        raise ValueError(f"quantile: must be in [0.5, 1), got {quantile!r}")
+    return NormalDist().inv_cdf(quantile)
+
+
+def significant(
+    count: float, expected: float, ca2: float, z: float, *, spread_count: float = 0.0
+) -> tuple[bool, float]:
+    """Whether ``count`` arrivals are beyond the noise around the ``expected`` count:
+    a renewal process with gap SCV ``ca2`` counts with a variance of about
+    ``expected x ca2`` (at least one arrival's worth, so an estimate of zero is not
+    certain), and ``spread_count`` is how much such counts were actually seen to
+    move (the larger of the two is the noise). Returns (beyond z either way, the z
+    score)."""
+    spread = math.sqrt(max(max(expected, 1.0) * max(ca2, 1e-6), spread_count**2))
+    score = (count - expected) / spread
+    return abs(score) > z, score
+
+
+def window_spread(
+    rates: tuple[RateSample, ...], *, now_s: float, pool_s: float, interval_s: float
+) -> float | None:
+    """How much the measured rate moved from one tick to the next over the last
+    ``pool_s`` (req/s): the root of half the mean squared successive difference, the
+    standard deviation of a window's rate that a slow trend does not inflate. None
+    with fewer than three consecutive pairs."""
+    recent = [r for r in rates if r.time_s > now_s - pool_s]
+    diffs = [
+        b.rate_rps - a.rate_rps
+        for a, b in itertools.pairwise(recent)
+        if b.time_s - a.time_s <= 1.5 * interval_s
+    ]
+    if len(diffs) < 3:
+        return None
+    return math.sqrt(0.5 * float(np.mean(np.square(diffs))))
+
+
+# -- start-up ------------------------------------------------------------------------------
+
+
+def measure_startup(
+    pool: Pool,
+    seen: PoolObservation,
+    pstate: PoolState,
+    config: ControllerConfig,
+    now_s: float,
+) -> tuple[PoolState, ReasonEntry | None]:
+    """Close a pending scale-up once every asked-for worker is ready, and fold its
+    decision-to-ready time into the pool's measured start-up.
+
+    Readiness is seen only at ticks, so the elapsed time overstates the start-up by
+    between 0 and one interval; half an interval is taken off (the expected
+    overstatement when a worker becomes ready at a uniform moment between ticks).
+    A scale-up overtaken by a smaller target is dropped unmeasured.
+    """
+    since, wanted = pstate.scale_up_since_s, pstate.scale_up_to
+    if since is None or wanted is None:
+        return pstate, None
+    if seen.current_replicas < wanted:
+        return replace(pstate, scale_up_since_s=None, scale_up_to=None), None
+    if seen.ready_replicas < wanted:
+        return pstate, None
+    sample_s = max(0.0, now_s - since - 0.5 * config.interval_s)
+    n = pstate.startup_samples
+    # A running mean over the first samples, then an EMA (a start-up that changes,
+    # a new image or node type, is followed within a few scale-ups).
+    weight = max(1.0 / (n + 1), config.lead_time.startup_ema_weight)
+    old = pstate.startup_s if pstate.startup_s is not None else sample_s
+    startup_s = (1.0 - weight) * old + weight * sample_s
+    return (
+        replace(
+            pstate,
+            scale_up_since_s=None,
+            scale_up_to=None,
+            startup_s=startup_s,
+            startup_samples=n + 1,
+        ),
+        ReasonEntry(
+            stage=Stage.SMOOTH,
+            reason=Reason.STARTUP_MEASURED,
+            pool=pool,
+            detail=f"{wanted} workers ready {now_s - since:.0f} s after the decision: "
+            f"start-up {startup_s:.0f} s over {n + 1} scale-ups",
+        ),
+    )
+
+
+def lead_time_s(pstate: PoolState, config: ControllerConfig) -> float:
+    """The pool's lead time: its measured start-up (the prior until one is measured)
+    plus one tick."""
+    startup_s = pstate.startup_s
+    if startup_s is None:
+        startup_s = config.lead_time.startup_prior_s
+    return startup_s + config.interval_s
+
+
+# -- the rate's upper quantile -------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RateBound:
+    """The planning rate of one pool and what it is made of (req/s)."""
+
+    upper_rps: float
+    estimate_rps: float
+    sigma_rps: float  # the standard deviation the upper quantile is built from
+    noise_rps: float  # the estimate's own part of it
+    drift_rps: float  # the recent history's part of it
+    lead_s: float
+    history: int  # past estimates whose lead-time error was known
+
+
+def rate_upper(
+    rates: tuple[RateSample, ...],
+    *,
+    estimate_rps: float,
+    ca2: float,
+    lead_s: float,
+    z: float,
+    config: ControllerConfig,
+    now_s: float,
+) -> RateBound:
+    """The upper ``z``-quantile of the rate over the next ``lead_s``.
+
+    ``rates`` are the past ticks' measured rates and estimates. For each past
+    estimate whose next ``k = ceil(lead_s / interval)`` ticks are all recorded, the
+    error e = (mean measured rate over those ticks) - estimate; the drift variance
+    is 2·mean(max(e, 0)²) (the upper semi-variance, which for a symmetric error is
+    the variance: a fall in the rate is no risk for the plan) less the counting
+    noise of the realised mean (estimate·c²/span), never below zero. The drift's
+    part of the bound reaches no higher than the highest rate the history realised
+    over a lead time (the estimate's own noise part always applies).
+    """
+    interval = config.interval_s
+    window = config.window_s
+    w = config.ema_weight
+    noise_var = w / (2.0 - w) * max(estimate_rps, 0.0) * ca2 / window
+    k = max(1, math.ceil(lead_s / interval - 1e-9))
+    span_s = (k - 1) * interval + window
+    times = np.array([r.time_s for r in rates], dtype=np.float64)
+    measured = np.array([r.rate_rps for r in rates], dtype=np.float64)
+    errors_sq: list[float] = []
+    counting: list[float] = []
+    realised_max = 0.0
+    horizon = config.lead_time.history_s
+    for i, r in enumerate(rates):
+        if r.time_s < now_s - horizon:
+            continue
+        ahead = slice(i + 1, i + 1 + k)
+        if len(times[ahead]) < k:
+            continue
+        # The k ticks after it must follow at the tick interval (no gap, no restart).
+        if times[ahead][-1] - r.time_s > (k + 0.5) * interval:
+            continue
+        realised = float(measured[ahead].mean())
+        realised_max = max(realised_max, realised)
+        error = realised - r.estimate_rps
+        errors_sq.append(max(error, 0.0) ** 2)
+        scv = r.scv if r.scv is not None else ca2
+        counting.append(max(r.estimate_rps, 0.0) * scv / span_s)
+    drift_var = 0.0
+    upper = max(estimate_rps, 0.0) + z * math.sqrt(noise_var)
+    if len(errors_sq) >= MIN_HISTORY:
+        drift_var = max(0.0, 2.0 * float(np.mean(errors_sq)) - float(np.mean(counting)))
+        # The history's moves are evidence up to the highest lead-time rate it holds:
+        # beyond that the normal tail would be extrapolation (an on/off load at its
+        # peak does not rise by the size of its own jumps), so the drift's part of
+        # the bound stops there.
+        with_drift = max(estimate_rps, 0.0) + z * math.sqrt(noise_var + drift_var)
+        upper = max(upper, min(with_drift, realised_max))
+    sigma = math.sqrt(noise_var + drift_var)
+    return RateBound(
+        upper_rps=upper,
+        estimate_rps=estimate_rps,
+        sigma_rps=sigma,
+        noise_rps=math.sqrt(noise_var),
+        drift_rps=math.sqrt(drift_var),
+        lead_s=lead_s,
+        history=len(errors_sq),
+    )
+
+
+def bound_entry(pool: Pool, bound: RateBound, z: float) -> ReasonEntry:
+    return ReasonEntry(
+        stage=Stage.SMOOTH,
+        reason=Reason.LEAD_TIME_PLANNED,
+        pool=pool,
+        detail=f"planning for {bound.upper_rps:.3g} req/s over the {bound.lead_s:.0f}-s lead "
+        f"time: estimate {bound.estimate_rps:.3g} + {z:.2f} x {bound.sigma_rps:.3g} "
+        f"(noise {bound.noise_rps:.3g}, drift {bound.drift_rps:.3g} from "
+        f"{bound.history} past estimates)",
+    )
+
+
+def record_rate(
+    rates: tuple[RateSample, ...],
+    sample: RateSample,
+    *,
+    keep_s: float,
+) -> tuple[RateSample, ...]:
+    """``rates`` with this tick's sample, those older than ``keep_s`` dropped."""
+    kept = tuple(r for r in rates if sample.time_s - keep_s <= r.time_s < sample.time_s)
+    return (*kept, sample)
+
+
+# -- pooled length mix and SCV -------------------------------------------------------------
+
+
+def _strided(values: np.ndarray, keep: int) -> np.ndarray:
+    if len(values) <= keep:
+        return values
+    return values[np.linspace(0, len(values) - 1, keep).round().astype(np.int64)]
+
+
+def pool_window(
+    windows: tuple[LengthWindow, ...],
+    lengths: LengthSamples | None,
+    *,
+    now_s: float,
+    pool_s: float,
+) -> tuple[LengthWindow, ...]:
+    """The windows of the pooled mix after this tick: this window's samples added (an
+    evenly strided subset of at most ``MAX_WINDOW_SAMPLES``, sorted by prompt so the
+    subset keeps the mix's shape), those older than ``pool_s`` dropped."""
+    kept = tuple(w for w in windows if now_s - pool_s < w.time_s < now_s)
+    if lengths is None:
+        return kept
+    order = np.argsort(lengths.prompt_tokens, kind="stable")
+    index = _strided(order, MAX_WINDOW_SAMPLES)
+    added = LengthWindow(
+        time_s=now_s,
+        prompt_tokens=lengths.prompt_tokens[index].copy(),
+        output_tokens=lengths.output_tokens[index].copy(),
+    )
+    return (*kept, added)
+
+
+def pooled_lengths(windows: tuple[LengthWindow, ...], *, now_s: float) -> LengthSamples | None:
+    if not windows:
+        return None
+    return LengthSamples(
+        prompt_tokens=np.concatenate([w.prompt_tokens for w in windows]),
+        output_tokens=np.concatenate([w.output_tokens for w in windows]),
+        source=f"{len(windows)} windows to {now_s:.0f} s",
+    )
+
+
+def pooled_scv(rates: tuple[RateSample, ...], *, now_s: float, pool_s: float) -> float | None:
+    """The mean inter-arrival SCV of the windows measured in the last ``pool_s``."""
+    seen = [r.scv for r in rates if r.scv is not None and r.time_s > now_s - pool_s]
+    if not seen:
+        return None
+    return float(np.mean(seen))

@@ -1,0 +1,198 @@
+"""The lead-time stages: start-up measured online, the rate's upper quantile over the
+lead time, the significance tests, the pooled mix — each against a closed form."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from controller.config import ControllerConfig
+from controller.observation import PoolObservation
+from controller.policy import ControllerState, PoolState, Reason
+from controller.policy.leadtime import (
+    MAX_WINDOW_SAMPLES,
+    lead_time_s,
+    measure_startup,
+    pool_window,
+    pooled_lengths,
+    pooled_scv,
+    rate_upper,
+    risk_z,
+    significant,
+    window_spread,
+)
+from controller.policy.state import LengthWindow, RateSample
+from queueing.lengths import LengthSamples
+from queueing.pools import PerPool, Pool
+
+CONFIG = ControllerConfig()
+
+
+def test_the_risk_level_is_the_slos_percentile_as_a_normal_quantile() -> None:
+    # Phi(2.3263) = 0.99, Phi(1.6449) = 0.95.
+    assert risk_z(0.99) == pytest.approx(2.3263, abs=1e-4)
+    assert risk_z(0.95) == pytest.approx(1.6449, abs=1e-4)
+    with pytest.raises(ValueError, match="quantile"):
+        risk_z(1.0)
+
+
+@pytest.mark.parametrize(
+    ("count", "expected", "ca2", "spread", "beyond", "score"),
+    [
+        (330.0, 300.0, 1.0, 0.0, False, 30 / math.sqrt(300)),  # Poisson: 1.73 sd
+        (360.0, 300.0, 1.0, 0.0, True, 60 / math.sqrt(300)),  # 3.46 sd
+        (360.0, 300.0, 4.0, 0.0, False, 60 / math.sqrt(1200)),  # an SCV of 4 doubles the sd
+        (360.0, 300.0, 1.0, 40.0, False, 60 / 40),  # a larger spread seen wins
+        (3.0, 0.0, 1.0, 0.0, True, 3.0),  # from zero: one arrival's worth of noise
+    ],
+)
+def test_a_count_is_significant_beyond_the_noise_its_scv_implies(
+    count: float, expected: float, ca2: float, spread: float, beyond: bool, score: float
+) -> None:
+    got, z = significant(count, expected, ca2, risk_z(0.99), spread_count=spread)
+    assert got is beyond
+    assert z == pytest.approx(score)
+
+
+def test_the_window_spread_is_half_the_mean_squared_successive_difference() -> None:
+    rates = tuple(
+        RateSample(time_s=30.0 * i, rate_rps=r, estimate_rps=r, scv=1.0)
+        for i, r in enumerate([10.0, 12.0, 10.0, 12.0, 10.0])
+    )
+    # Every successive difference is 2: sqrt(0.5 * 4).
+    assert window_spread(rates, now_s=150.0, pool_s=300.0, interval_s=30.0) == pytest.approx(
+        math.sqrt(2.0)
+    )
+    assert window_spread(rates[:3], now_s=150.0, pool_s=300.0, interval_s=30.0) is None
+
+
+def test_without_history_the_bound_is_the_estimates_own_noise() -> None:
+    # An EMA of weight w over W-s windows of a renewal process of SCV c2 has variance
+    # w / (2 - w) * rate * c2 / W.
+    bound = rate_upper(
+        (), estimate_rps=10.0, ca2=4.0, lead_s=130.0, z=2.0, config=CONFIG, now_s=0.0
+    )
+    w = CONFIG.ema_weight
+    sigma = math.sqrt(w / (2 - w) * 10.0 * 4.0 / CONFIG.window_s)
+    assert bound.upper_rps == pytest.approx(10.0 + 2.0 * sigma)
+    assert bound.drift_rps == 0.0 and bound.history == 0
+
+
+def test_the_drift_is_the_upper_semivariance_of_past_errors_over_the_lead_time() -> None:
+    # Estimates of 10 req/s, ticks of 30 s; a lead time of 60 s spans the next two
+    # ticks. The measured rates alternate so that every past estimate's realised mean
+    # over its next two ticks is 12 (an error of +2) or 10 (error 0).
+    measured = [10.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0]
+    rates = tuple(
+        RateSample(time_s=30.0 * i, rate_rps=r, estimate_rps=10.0, scv=1.0)
+        for i, r in enumerate(measured)
+    )
+    now = 30.0 * len(measured)
+    bound = rate_upper(
+        rates, estimate_rps=10.0, ca2=1.0, lead_s=60.0, z=2.0, config=CONFIG, now_s=now
+    )
+    errors = [np.mean(measured[i + 1 : i + 3]) - 10.0 for i in range(len(measured) - 2)]
+    span = 30.0 + CONFIG.window_s
+    drift_var = 2 * np.mean(np.square(np.maximum(errors, 0.0))) - 10.0 * 1.0 / span
+    assert bound.history == len(errors)
+    assert bound.drift_rps == pytest.approx(math.sqrt(drift_var))
+    w = CONFIG.ema_weight
+    noise_var = w / (2 - w) * 10.0 / CONFIG.window_s
+    unbounded = 10.0 + 2.0 * math.sqrt(noise_var + drift_var)
+    # The history never realised more than 12 req/s over a lead time: the drift's
+    # part stops there.
+    assert unbounded > 12.0
+    assert bound.upper_rps == pytest.approx(12.0)
+
+
+def test_a_gap_in_the_history_is_not_read_as_a_lead_time() -> None:
+    rates = (
+        RateSample(time_s=0.0, rate_rps=10.0, estimate_rps=10.0, scv=1.0),
+        RateSample(time_s=600.0, rate_rps=50.0, estimate_rps=50.0, scv=1.0),
+    )
+    bound = rate_upper(
+        rates, estimate_rps=10.0, ca2=1.0, lead_s=30.0, z=2.0, config=CONFIG, now_s=630.0
+    )
+    assert bound.history == 0
+
+
+def test_the_startup_is_measured_from_the_decision_to_every_worker_ready() -> None:
+    pending = PoolState(scale_up_since_s=100.0, scale_up_to=4)
+    # Not all ready yet: still pending.
+    still, entry = measure_startup(
+        Pool.PREFILL, PoolObservation(current_replicas=4, ready_replicas=3), pending, CONFIG,
+        160.0,
+    )
+    assert still == pending and entry is None
+    done, entry = measure_startup(
+        Pool.PREFILL, PoolObservation(current_replicas=4, ready_replicas=4), pending, CONFIG,
+        190.0,
+    )
+    # 90 s seen at tick resolution: half a tick is taken off.
+    assert done.startup_s == pytest.approx(90.0 - CONFIG.interval_s / 2)
+    assert done.startup_samples == 1 and done.scale_up_since_s is None
+    assert entry is not None and entry.reason is Reason.STARTUP_MEASURED
+    assert lead_time_s(done, CONFIG) == pytest.approx(75.0 + CONFIG.interval_s)
+    # The second sample is averaged in (weight 1/2 while under 1/ema_weight samples).
+    again, _ = measure_startup(
+        Pool.PREFILL, PoolObservation(current_replicas=5, ready_replicas=5),
+        replace(done, scale_up_since_s=200.0, scale_up_to=5), CONFIG, 260.0,
+    )
+    assert again.startup_s == pytest.approx((75.0 + 45.0) / 2)
+
+
+def test_a_scale_up_overtaken_by_a_smaller_target_is_dropped_unmeasured() -> None:
+    pending = PoolState(scale_up_since_s=100.0, scale_up_to=4)
+    got, entry = measure_startup(
+        Pool.DECODE, PoolObservation(current_replicas=3, ready_replicas=3), pending, CONFIG,
+        200.0,
+    )
+    assert got.scale_up_since_s is None and got.startup_s is None and entry is None
+    assert lead_time_s(got, CONFIG) == CONFIG.lead_time.startup_prior_s + CONFIG.interval_s
+
+
+def test_the_mix_and_the_scv_are_pooled_over_the_last_windows() -> None:
+    def mix(prompt: int, n: int) -> LengthSamples:
+        return LengthSamples(
+            prompt_tokens=np.full(n, prompt, dtype=np.int64),
+            output_tokens=np.full(n, 10, dtype=np.int64),
+            source="test",
+        )
+
+    windows: tuple[LengthWindow, ...] = ()
+    for t, prompt in ((0.0, 100), (30.0, 200), (60.0, 300)):
+        windows = pool_window(windows, mix(prompt, 1000), now_s=t, pool_s=60.0)
+    # The window at 0 s fell out of the 60-s pool; each keeps an evenly strided subset.
+    pooled = pooled_lengths(windows, now_s=60.0)
+    assert pooled is not None
+    assert len(pooled.prompt_tokens) == 2 * MAX_WINDOW_SAMPLES
+    assert float(pooled.prompt_tokens.mean()) == pytest.approx(250.0)
+    rates = tuple(
+        RateSample(time_s=t, rate_rps=1.0, estimate_rps=1.0, scv=s)
+        for t, s in ((0.0, 9.0), (30.0, 1.0), (60.0, 3.0))
+    )
+    assert pooled_scv(rates, now_s=60.0, pool_s=60.0) == pytest.approx(2.0)
+
+
+def test_the_new_state_survives_its_json_codec() -> None:
+    state = ControllerState(
+        smoothed_rate_rps=3.0,
+        pools=PerPool(
+            prefill=PoolState(startup_s=80.0, startup_samples=2, scale_up_since_s=5.0,
+                              scale_up_to=3),
+            decode=PoolState(),
+        ),
+        rates=(RateSample(time_s=1.0, rate_rps=2.0, estimate_rps=2.5, scv=None),),
+        length_windows=(
+            LengthWindow(
+                time_s=1.0, prompt_tokens=np.array([5, 6]), output_tokens=np.array([1, 2])
+            ),
+        ),
+    )
+    back = ControllerState.from_dict(state.to_dict())
+    assert back.pools == state.pools and back.rates == state.rates
+    assert back.length_windows[0].prompt_tokens.tolist() == [5, 6]
+    assert back.to_dict() == state.to_dict()
