@@ -90,6 +90,8 @@ _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 _RESERVED_CONNECTIONS = 16
 # What a request body carries besides its prompt (the other fields, JSON syntax).
 _BODY_OVERHEAD_BYTES = 16_384
+# A refused body is read and dropped up to this size, so the client sees its 413.
+_MAX_DRAIN_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -834,7 +836,8 @@ class BodyLimit:
     """Refuses a request body over ``max_bytes`` with 413 before it is read in full.
 
     A declared ``Content-Length`` over the limit is refused before any of the body
-    is read; a chunked body is counted as it arrives and refused once past it.
+    is parsed or kept (it is dropped as it arrives, so the client can read the 413);
+    a chunked body is counted as it arrives and refused once past it.
     """
 
     def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
@@ -856,6 +859,14 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            # Refused already; what the client still sends is dropped as it comes
+            # (never kept, never parsed), so that it reads the 413 rather than a reset.
+            # Beyond _MAX_DRAIN_BYTES it is answered at once and gets the reset.
+            if int(declared) <= _MAX_DRAIN_BYTES:
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body"):
+                        break
             await self._error().response()(scope, receive, send)
             return
         seen = 0
@@ -883,6 +894,34 @@ class BodyLimit:
         except Exception:
             if not refused:
                 raise
+
+
+class RefuseWhenFull:
+    """Answers ``POST /v1/completions`` with 429 before its body is read or parsed when
+    the router already serves ``max_inflight_requests``: under an overload most
+    requests are refused, and each refusal should cost the event loop next to nothing
+    (``admit`` checks again, for those that pass here)."""
+
+    def __init__(self, app: ASGIApp, *, router: Router) -> None:
+        self.app = app
+        self.router = router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        router = self.router
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] == "/v1/completions"
+            and router.inflight_requests >= router.config.max_inflight_requests
+        ):
+            router.metrics.requests.inc()  # demand refused for want of capacity
+            router.metrics.ended(Outcome.REJECTED)
+            error = router.queue_full(
+                f"this router serves {router.config.max_inflight_requests} requests already"
+            )
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def create_router_app(
@@ -932,6 +971,7 @@ def create_router_app(
         return _http_error(exc).response()
 
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(RefuseWhenFull, router=router)  # outermost: before the size check
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionBody) -> Response:
