@@ -1,4 +1,6 @@
-"""`sara profile`: measure this machine's iteration-time profile with the real engine.
+"""`sara profile`: measure an iteration-time profile, with the real engine here or
+from outside over any OpenAI-compatible server (``--openai-url``,
+``workers.blackbox_profiler``).
 
 Loads a checkpoint folder (or generates the tiny random model), times the engine's
 forward pass over a grid of batch shapes, fits DESIGN §3.1's four coefficients and
@@ -34,7 +36,113 @@ def _int_list(flag: str) -> Any:
     return parse
 
 
+def cmd_blackbox(args: argparse.Namespace) -> int:
+    """`sara profile --openai-url URL --model NAME`: fit the profile from outside."""
+    from dataclasses import replace
+
+    import openai
+
+    from controller.profiles import load_profile
+    from queueing.profile import ProfileError
+    from workers.blackbox_profiler import (
+        BlackBoxError,
+        BlackBoxGrid,
+        BlackBoxProfiler,
+        format_blackbox_report,
+        profile_of,
+    )
+
+    try:
+        grid = BlackBoxGrid(
+            prompt_tokens=args.prompt_grid,
+            concurrency=args.concurrency_grid,
+            context_tokens=args.itl_context_grid,
+            output_tokens=args.output_tokens,
+            repeats=args.repeats_http,
+            chunk_tokens=args.chunk_tokens,
+        )
+    except ValueError as exc:
+        raise UsageError(f"--prompt-grid/--concurrency-grid/--itl-context-grid: {exc}") from exc
+    if args.memory_from is None and (
+        args.kv_capacity_tokens is None or args.kv_bytes_per_token is None
+    ):
+        raise UsageError(
+            "--memory-from: a black box does not say how large its KV cache is: give "
+            "--memory-from PROFILE (a built-in or a file for the same model and GPU) or "
+            "--kv-capacity-tokens and --kv-bytes-per-token"
+        )
+    memory = None
+    if args.memory_from is not None:
+        try:
+            memory = load_profile(args.memory_from)
+        except (OSError, ProfileError) as exc:
+            raise UsageError(f"--memory-from: {exc}") from exc
+    client = openai.OpenAI(
+        base_url=args.openai_url.rstrip("/")
+        + ("" if args.openai_url.rstrip("/").endswith("/v1") else "/v1"),
+        api_key=args.api_key or "unused",
+        timeout=args.request_timeout_s,
+        max_retries=0,
+    )
+    profiler = BlackBoxProfiler(
+        client,
+        model=args.model,
+        grid=grid,
+        seed=args.seed,
+        token_low=args.token_low,
+        token_high=args.token_high,
+        ignore_eos=not args.no_ignore_eos,
+        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+    )
+    print(
+        f"profiling {args.model} at {args.openai_url} from outside: "
+        f"{len(grid.prompt_tokens)} prompt lengths, "
+        f"{len(grid.concurrency) * len(grid.context_tokens)} decode shapes x {grid.repeats}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        round_trip = profiler.http_round_trip_s()
+        fit = profiler.run()
+    except openai.OpenAIError as exc:
+        raise UsageError(f"--openai-url: {type(exc).__name__}: {exc}") from exc
+    except BlackBoxError as exc:
+        print(f"sara: {exc}", file=sys.stderr)
+        return EXIT_FIT_FAILED
+    try:
+        profile = profile_of(
+            fit,
+            name=args.name or f"{args.model}@blackbox",
+            model=args.model,
+            hardware=memory.hardware if memory is not None else "unknown (black box)",
+            tensor_parallel=memory.tensor_parallel if memory is not None else 1,
+            kv_capacity_tokens=args.kv_capacity_tokens or memory.kv_capacity_tokens,  # type: ignore[union-attr]
+            kv_bytes_per_token=args.kv_bytes_per_token or memory.kv_bytes_per_token,  # type: ignore[union-attr]
+            startup_s=args.startup_s
+            if args.startup_s is not None
+            else (memory.startup_s if memory else 60.0),
+            max_context_tokens=memory.max_context_tokens if memory is not None else None,
+            url=args.openai_url,
+        )
+    except ValueError as exc:
+        print(f"sara: the fit is not a valid profile: {exc}", file=sys.stderr)
+        return EXIT_FIT_FAILED
+    if args.name:
+        profile = replace(profile, name=args.name)
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(profile.to_json(), encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write {out}: {exc.strerror}") from exc
+    print(format_blackbox_report(fit, http_round_trip_s=round_trip))
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.openai_url is not None:
+        return cmd_blackbox(args)
     import torch
 
     from workers.checkpoint import CheckpointError, write_tiny_checkpoint
@@ -130,7 +238,18 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "profile", help="measure and fit this machine's iteration-time profile (needs torch)"
     )
-    p.add_argument("--model", required=True, metavar="DIR|tiny", help="checkpoint folder or 'tiny'")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR|tiny|NAME",
+        help="checkpoint folder or 'tiny'; with --openai-url, the served model's name",
+    )
+    p.add_argument(
+        "--openai-url",
+        metavar="URL",
+        help="measure this OpenAI-compatible server from outside (vLLM, SGLang, sara serve) "
+        "instead of running the engine here",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--dtype",
@@ -177,5 +296,61 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the grid order (and tiny model)")
-    p.add_argument("--name", help="profile name (default MODEL@DEVICE)")
+    p.add_argument("--name", help="profile name (default MODEL@DEVICE, MODEL@blackbox)")
+    b = p.add_argument_group("black box (--openai-url)")
+    b.add_argument(
+        "--prompt-grid",
+        type=_int_list("--prompt-grid"),
+        default=(16, 128, 256, 384, 512),
+        metavar="L,L,...",
+        help="prompt lengths of the TTFT probes (default 16,128,256,384,512)",
+    )
+    b.add_argument(
+        "--concurrency-grid",
+        type=_int_list("--concurrency-grid"),
+        default=(1, 4, 16, 32),
+        metavar="B,B,...",
+        help="concurrent streams of the ITL probes (default 1,4,16,32)",
+    )
+    b.add_argument(
+        "--itl-context-grid",
+        type=_int_list("--itl-context-grid"),
+        default=(32, 512),
+        metavar="C,C,...",
+        help="prompt lengths of the ITL probes (default 32,512)",
+    )
+    b.add_argument(
+        "--output-tokens",
+        type=int,
+        default=16,
+        help="gaps per ITL stream while all decode (the streams get more tokens to cover "
+        "the prefills of the others)",
+    )
+    b.add_argument(
+        "--repeats-http",
+        type=int,
+        default=5,
+        help="repeats per probe (TTFT: the fastest; ITL: the median gap)",
+    )
+    b.add_argument(
+        "--chunk-tokens", type=int, help="the engine's prefill chunk (default: one pass per prompt)"
+    )
+    b.add_argument(
+        "--memory-from",
+        metavar="PROFILE",
+        help="KV capacity, bytes per token, "
+        "startup and context from this profile (same model and GPU)",
+    )
+    b.add_argument("--kv-capacity-tokens", type=int, help="KV tokens one instance holds")
+    b.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token")
+    b.add_argument("--startup-s", type=float, help="seconds from start to first served request")
+    b.add_argument("--api-key", help="bearer token of the server (default none)")
+    b.add_argument("--request-timeout-s", type=float, default=120.0)
+    b.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (vLLM's extension) for a server that refuses it",
+    )
+    b.add_argument("--token-low", type=int, default=100, help="smallest prompt token id")
+    b.add_argument("--token-high", type=int, default=400, help="largest prompt token id + 1")
     p.set_defaults(func=cmd_profile)
