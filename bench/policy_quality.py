@@ -130,10 +130,10 @@ def workload(name: str) -> Workload:
     if name == "conv":
         # The whole hour replayed 2.5 times as fast: every recorded request, 2.5 x the rate.
         trace = load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv", speedup=2.5)
-        return Workload(name, trace, _scenario("llama-2-70b-tp4@a100-80g"))
+        return Workload(name, trace, _scenario("llama-3.1-70b-tp4@a100-80g"))
     if name == "code":
         trace = load_trace(TRACES / "AzureLLMInferenceTrace_code.csv")
-        return Workload(name, trace, _scenario("llama-2-70b-tp4@h100-sxm"))
+        return Workload(name, trace, _scenario("llama-3.1-70b-tp4@h100-sxm"))
     if name == "diurnal":
         rng = np.random.default_rng(7)
         lengths = load_lengths(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
@@ -151,7 +151,7 @@ def workload(name: str) -> Workload:
             rng=rng,
             source="ShareGPT lengths, diurnal (2 x 20-min days, peak/trough 4), Gamma SCV 4",
         )
-        return Workload(name, trace, _scenario("llama-2-70b-tp4@h100-sxm"))
+        return Workload(name, trace, _scenario("llama-3.1-70b-tp4@h100-sxm"))
     if name == "long":
         rng = np.random.default_rng(11)
         arrivals = gamma_arrivals(rate_rps=3.0, ca2=9.0, duration_s=1800.0, rng=rng)
@@ -162,7 +162,7 @@ def workload(name: str) -> Workload:
             source="arXiv documents x k (1-32, P ~ 1/k^2), 3 req/s, Gamma SCV 9, 30 min",
         )
         slo = SloTargets(ttft_p99_s=30.0, tpot_p99_s=0.1)
-        return Workload(name, trace, _scenario("llama-2-70b-tp4@h100-sxm", slo))
+        return Workload(name, trace, _scenario("llama-3.1-70b-tp4@h100-sxm", slo))
     if name == "step":
         rng = np.random.default_rng(13)
         lengths = load_lengths(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")

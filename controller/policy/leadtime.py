@@ -59,17 +59,34 @@ def risk_z(quantile: float) -> float:
     return NormalDist().inv_cdf(quantile)
 
 
+def detection_z(quantile: float, tests: float) -> float:
+    """The threshold of a test run once per tick: ``tests`` ticks (those of the
+    history) share the SLO's risk, so a false alarm comes about once in a history
+    whose every tick is at risk at most ``1 - quantile`` (Bonferroni): 3.77 for P99
+    over 120 ticks."""
+    if tests < 1:
+        raise ValueError(f"tests: must be >= 1, got {tests!r}")
+    return risk_z(1.0 - (1.0 - quantile) / tests)
+
+
 def significant(
-    count: float, expected: float, ca2: float, z: float, *, spread_count: float = 0.0
+    count: float,
+    expected: float,
+    ca2: float,
+    z: float,
+    *,
+    spread_count: float = 0.0,
+    variance_factor: float = 1.0,
 ) -> tuple[bool, float]:
     """Whether ``count`` arrivals are beyond the noise around the ``expected`` count:
     a renewal process with gap SCV ``ca2`` counts with a variance of about
     ``expected x ca2`` (at least one arrival's worth, so an estimate of zero is not
     certain), and ``spread_count`` is how much such counts were actually seen to
-    move (the larger of the two is the noise). Returns (beyond z either way, the z
-    score)."""
-    spread = math.sqrt(max(max(expected, 1.0) * max(ca2, 1e-6), spread_count**2))
-    score = (count - expected) / spread
+    move (the larger of the two is the noise); ``variance_factor`` adds the
+    expectation's own uncertainty (1 + its variance over the count's). Returns
+    (beyond z either way, the z score)."""
+    variance = max(max(expected, 1.0) * max(ca2, 1e-6), spread_count**2) * variance_factor
+    score = (count - expected) / math.sqrt(variance)
     return abs(score) > z, score
 
 

@@ -178,10 +178,18 @@ def cooldown(
 
 
 def rate_limit(
-    pool: Pool, target: int, current: int, config: ControllerConfig
+    pool: Pool, target: int, current: int, config: ControllerConfig, *, moved: bool = False
 ) -> tuple[int, ReasonEntry | None]:
+    """At most ``max_step_fraction`` of the current size per tick (at least one).
+
+    The limit keeps a noisy recommendation from moving the pool far; when the tick's
+    evidence says the rate itself moved (``moved``: a significant shift, a burst, or
+    serving workers falling behind), a scale-up is not held back by it: each tick
+    of delay is a tick more of arrivals that the workers, once up, must also clear.
+    """
     step = max(1, math.floor(config.max_step_fraction * current))
-    limited = min(max(target, current - step), current + step)
+    up = target - current if moved else step
+    limited = min(max(target, current - step), current + max(step, up))
     if limited != target:
         return limited, ReasonEntry(
             stage=Stage.RATE_LIMIT,
@@ -204,6 +212,7 @@ def normalise(
     aimed: SloTargets,
     config: ControllerConfig,
     now_s: float,
+    moved: bool = False,
 ) -> tuple[int, PoolState, list[ReasonEntry]]:
     """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool.
 
@@ -225,7 +234,7 @@ def normalise(
     note(entry)
     target, entry = cooldown(pool, target, current, pstate, config, now_s)
     note(entry)
-    target, entry = rate_limit(pool, target, current, config)
+    target, entry = rate_limit(pool, target, current, config, moved=moved)
     note(entry)
     return target, pstate, entries
 

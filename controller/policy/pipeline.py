@@ -31,6 +31,7 @@ from controller.policy.calibration import calibrate
 from controller.policy.decision import Decision, PoolDecision
 from controller.policy.leadtime import (
     bound_entry,
+    detection_z,
     lead_time_s,
     measure_startup,
     pool_window,
@@ -113,11 +114,18 @@ def decide(
         lambda pool: overloaded(pool, observation, model, state.pools[pool].predicted_p99_s)
     )
 
+    # The spread over the whole history: over a few windows it is too noisy an
+    # estimate (a low one by chance would read ordinary noise as a shift).
     spread = window_spread(
-        state.rates, now_s=now_s, pool_s=lead.pool_s, interval_s=config.interval_s
+        state.rates, now_s=now_s, pool_s=lead.history_s, interval_s=config.interval_s
     )
     smoothed, entry = smooth(
-        observation, state, config, ca2=ca2_value, spread_rps=spread or 0.0, z=z
+        observation,
+        state,
+        config,
+        ca2=ca2_value,
+        spread_rps=spread or 0.0,
+        z=detection_z(DEFAULT_QUANTILE, max(1.0, lead.history_s / config.interval_s)),
     )
     reasons.append(entry)
     if lengths_entry is not None:
@@ -144,6 +152,13 @@ def decide(
     if lead.enabled:
         planned = upper.map(lambda b: b.upper_rps)
         reasons.extend(bound_entry(pool, b, z) for pool, b in upper.items())
+        # What the prefill pool must absorb over its lead time is the arrivals and
+        # the prompts already queued: the queue adds its size over the lead time.
+        queue = observation.prefill_queue_depth
+        if usable(queue) and queue is not None and queue > 0:
+            planned = planned.with_value(
+                Pool.PREFILL, planned.prefill + queue / upper.prefill.lead_s
+            )
     else:
         planned = PerPool.both(estimate)
     forecast = forecast_rate_rps if usable(forecast_rate_rps) else None
@@ -156,6 +171,10 @@ def decide(
     planned = raised
     rate = max(planned.prefill, planned.decode)
 
+    moved = any(
+        r.reason in (Reason.RATE_SHIFTED, Reason.BURST_DETECTED, Reason.OVERLOAD_DETECTED)
+        for r in reasons
+    )
     calibration = calibrate(observation, state, config, behind, now_s)
     reasons.extend(c.entry for _, c in calibration.items() if c.entry is not None)
     recommended, aimed, entry = recommend(
@@ -181,6 +200,7 @@ def decide(
             aimed=aimed,
             config=config,
             now_s=now_s,
+            moved=moved,
         )
         reasons.extend(entries)
         normalised[pool] = target, pstate

@@ -19,14 +19,15 @@ import numpy as np
 
 from controller.config import ControllerConfig
 from controller.observation import Observation, usable
-from controller.policy.leadtime import risk_z, significant
+from controller.policy.leadtime import detection_z, significant
 from controller.policy.state import ControllerState
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.lengths import LengthSamples
 from queueing.pools import PerPool
 from queueing.solver import DEFAULT_QUANTILE
 
-P99_Z = risk_z(DEFAULT_QUANTILE)
+# The shift and burst tests' threshold with the default tick and history (3.77).
+DETECT_Z = detection_z(DEFAULT_QUANTILE, 3600.0 / 30.0)
 
 
 def validate(
@@ -64,7 +65,7 @@ def smooth(
     *,
     ca2: float = 1.0,
     spread_rps: float = 0.0,
-    z: float = P99_Z,
+    z: float = DETECT_Z,
 ) -> tuple[float, ReasonEntry]:
     """EMA of the arrival rate, except where the evidence says the rate moved.
 
@@ -107,9 +108,16 @@ def smooth(
                 f"{old:.3g} (SCV {ca2:.3g}) and > {config.burst_ratio:g} x EMA {ema:.3g}: "
                 f"planning for {rate:.3g} req/s",
             )
+    # The window against the estimate: both are noisy, and the EMA of windows keeps
+    # w / (2 - w) of a window's variance, so their difference has 2 / (2 - w) of it.
     window_s = config.window_s
     beyond, score = significant(
-        measured * window_s, old * window_s, ca2, z, spread_count=spread_rps * window_s
+        measured * window_s,
+        old * window_s,
+        ca2,
+        z,
+        spread_count=spread_rps * window_s,
+        variance_factor=2.0 / (2.0 - config.ema_weight),
     )
     if beyond:
         return measured, ReasonEntry(

@@ -14,6 +14,7 @@ from controller.observation import PoolObservation
 from controller.policy import ControllerState, PoolState, Reason
 from controller.policy.leadtime import (
     MAX_WINDOW_SAMPLES,
+    detection_z,
     lead_time_s,
     measure_startup,
     pool_window,
@@ -37,6 +38,17 @@ def test_the_risk_level_is_the_slos_percentile_as_a_normal_quantile() -> None:
     assert risk_z(0.95) == pytest.approx(1.6449, abs=1e-4)
     with pytest.raises(ValueError, match="quantile"):
         risk_z(1.0)
+
+
+def test_a_test_run_every_tick_shares_the_risk_over_the_history() -> None:
+    # 1 - 0.01 / 120 = 0.99991667, whose normal quantile is 3.7648.
+    assert detection_z(0.99, 120) == pytest.approx(3.7648, abs=1e-3)
+    assert detection_z(0.99, 1) == pytest.approx(risk_z(0.99))
+
+
+def test_the_estimates_own_uncertainty_widens_the_noise() -> None:
+    _, score = significant(360.0, 300.0, 1.0, 3.0, variance_factor=2.0)
+    assert score == pytest.approx(60 / math.sqrt(600))
 
 
 @pytest.mark.parametrize(

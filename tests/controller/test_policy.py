@@ -180,11 +180,13 @@ def test_the_seed_defaults_are_the_documented_ones() -> None:
     ("old", "measured", "burst", "expected", "reason"),
     [
         (None, 10.0, None, 10.0, Reason.RATE_INITIALISED),
-        # Poisson (SCV 1) over the 30-s window: 330 against 300 expected is 1.7 sd.
+        # Poisson (SCV 1) over the 30-s window, against an EMA (weight 0.3) that keeps
+        # 0.3 / 1.7 of a window's variance: the difference's sd is sqrt(300 x 2 / 1.7).
+        # 330 against 300 is 1.6 sd, under the 3.77 of one false alarm an hour.
         (10.0, 11.0, None, 10.3, Reason.RATE_SMOOTHED),  # 0.7 * 10 + 0.3 * 11
-        # 600 against 300 is 17 sd: the rate moved, the estimate follows.
+        # 600 against 300 is 16 sd: the rate moved, the estimate follows.
         (10.0, 20.0, None, 20.0, Reason.RATE_SHIFTED),
-        (10.0, 5.0, None, 5.0, Reason.RATE_SHIFTED),  # 150 against 300: -8.7 sd
+        (10.0, 5.0, None, 5.0, Reason.RATE_SHIFTED),  # 150 against 300: -8 sd
         (10.0, 10.0, 30.0, 30.0, Reason.BURST_DETECTED),  # 150 against 50 in 5 s: 14 sd
         (10.0, 10.0, 14.0, 10.0, Reason.RATE_SMOOTHED),  # 14 < 1.5 * 10: no burst
     ],
@@ -216,6 +218,16 @@ def test_rate_limit_moves_at_most_half_the_pool_and_at_least_one(
     target: int, current: int, expected: int
 ) -> None:
     assert rate_limit(Pool.DECODE, target, current, CONFIG)[0] == expected
+
+
+@pytest.mark.parametrize(
+    ("target", "current", "expected"),
+    [(40, 10, 40), (1, 10, 5), (3, 1, 3)],  # up in one tick; down still limited
+)
+def test_when_the_rate_moved_a_scale_up_is_not_rate_limited(
+    target: int, current: int, expected: int
+) -> None:
+    assert rate_limit(Pool.DECODE, target, current, CONFIG, moved=True)[0] == expected
 
 
 @pytest.mark.parametrize(
@@ -524,9 +536,14 @@ def test_an_infeasible_slo_plans_for_1_2_times_the_floor_whatever_the_headroom(
 
 @pytest.mark.parametrize("rate", [3.0, 12.0, 40.0])
 def test_constant_load_with_15_percent_noise_makes_no_changes_after_settling(rate: float) -> None:
+    # The pools are sized for the rate's upper quantile over the lead time, whose
+    # centre (the EMA) still walks with the noise: over two hours it may cross a
+    # worker boundary upwards once, but it never comes back down (no flapping).
     rng = np.random.default_rng(int(rate))
     decisions = run(lambda t: rate * (1 + rng.uniform(-0.15, 0.15)), hours=2)
-    assert changes(decisions, after_s=600) == 0
+    late = [d for d in decisions if (d.state.last_tick_s or 0.0) >= 600]
+    assert changes(late) <= 1
+    assert not any(p.target < p.current for d in late for _, p in d.pools.items())
 
 
 def test_a_load_between_one_and_two_workers_does_not_oscillate() -> None:
