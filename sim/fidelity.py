@@ -26,6 +26,15 @@ maximum when the family's tail reaches it):
 - ``bundled``: one of the bundled trace files' (prompt, output) pairs;
 - ``long``: long-context prompts (median 4k-32k tokens) on a long-context profile.
 
+Warm-up and cool-down. The cluster starts empty and stops taking arrivals at the end
+of the run, and a decode pool fills over the life of its requests (tens of seconds
+for long outputs on a loaded pool, longer than a short run). Each replication
+therefore runs a *transient* (``transient_s``: the 95th percentile of a request's
+decode life at the predicted iteration time, and at least 5 % of the run) before and
+after the measured window of ``requests`` arrivals, and only the requests arriving
+inside the window are measured. Measuring from an empty start would put batches,
+and TPOT, below their steady state exactly where decode lives are long.
+
 Pure apart from reading the bundled trace files; randomness only from the
 generator passed in.
 """
@@ -234,6 +243,23 @@ def decode_workers_for(model: CapacityModel, rate: float, ca2: float, u: float) 
         m += 1
 
 
+def transient_s(
+    model: CapacityModel, samples: LengthSamples, *, decode_workers: int, rate: float, ca2: float
+) -> float:
+    """How long the decode pool takes to fill from empty (and to drain at the end): the
+    95th percentile of a request's decode life, (output - 1) iterations at the
+    predicted mean iteration time of ``decode_workers`` workers."""
+    state = model.decode.load(workers=decode_workers, arrival_rate_rps=rate, ca2=ca2, quantile=0.5)
+    steps = np.maximum(samples.output_tokens.astype(np.float64) - 1.0, 0.0)
+    return float(np.quantile(steps, 0.95)) * state.iteration_s
+
+
+def steady_window(duration_s: float, transient: float) -> tuple[float, float]:
+    """The arrivals measured: after the warm-up (the transient, at least 5 % of the
+    run) and before the cool-down (the transient)."""
+    return max(0.05 * duration_s, transient), duration_s - transient
+
+
 def _simulate(
     case: Case,
     samples: LengthSamples,
@@ -244,6 +270,7 @@ def _simulate(
     rate: float,
     requests: int,
     replications: int,
+    transient: float,
 ) -> tuple[list[float], list[float]]:
     config = ClusterConfig(
         prefill_workers=prefill_workers,
@@ -253,14 +280,15 @@ def _simulate(
         kv_link_bytes_per_s=LINK.bytes_per_s,
     )
     ttft, tpot = [], []
+    window_s = requests / rate
+    duration_s = window_s / 0.95 + 2.0 * transient
+    start_s, end_s = steady_window(duration_s, transient)
     for replication in range(replications):
         rng = np.random.default_rng([case.seed, replication])
-        duration_s = requests / rate
         arrivals = gamma_arrivals(rate_rps=rate, ca2=case.ca2, duration_s=duration_s, rng=rng)
         trace = synthesize(arrival_s=arrivals, lengths=samples, rng=rng, source=case.label)
         results = Cluster(config, trace).run()
-        # The cluster starts empty: leave out the first 5 % of the arrivals (warm-up).
-        steady = trace.arrival_s >= 0.05 * duration_s
+        steady = (trace.arrival_s >= start_s) & (trace.arrival_s < end_s)
         ttft.append(float(np.nanquantile(results.ttft_s[steady], 0.99)))
         tpot.append(float(np.nanquantile(results.tpot_s[steady], 0.99)))
     return ttft, tpot
@@ -294,6 +322,9 @@ def run_case(
     n = case.prefill_workers
     rate = case.utilisation * n / model.prefill.mean_service_s
     m = decode_workers_for(model, rate, case.ca2, case.utilisation)
+    # The pools one smaller are run over the same window (their decode fills slower
+    # still, but the SLO is drawn between the two and only their order matters).
+    transient = transient_s(model, samples, decode_workers=m, rate=rate, ca2=case.ca2)
     ttft, tpot = _simulate(
         case,
         samples,
@@ -303,6 +334,7 @@ def run_case(
         rate=rate,
         requests=requests,
         replications=replications,
+        transient=transient,
     )
     ttft_sim, tpot_sim = measured(ttft), measured(tpot)
     prefill_decision = decode_decision = None
@@ -320,6 +352,7 @@ def run_case(
                 rate=rate,
                 requests=requests,
                 replications=replications,
+                transient=transient,
             )
             below_ttft = measured(t_below) if n > 1 else None
             below_tpot = measured(p_below) if m > 1 else None
