@@ -184,7 +184,8 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int) -> str:
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
-                return f"HTTP {resp.status_code}"
+                await resp.aread()
+                return f"HTTP {resp.status_code}: {resp.json()['error']['code']}"
             async for line in resp.aiter_lines():
                 if line.startswith("data: {") and '"error"' in line:
                     return "error event: " + json.loads(line[6:])["error"]["code"]
@@ -222,7 +223,10 @@ def test_killing_redis_under_load_fails_streams_fast_and_the_stack_recovers_unsc
     outcomes, refused_after_s, status = asyncio.run(scenario())
     print("outcomes:", dict(outcomes), "503 after", refused_after_s)
     assert outcomes["hung"] == 0, outcomes
-    assert all(o == "ok" or o.startswith("error event") for o in outcomes), outcomes
+    # In flight: an error event; not yet admitted (a loaded machine is slow to take
+    # all 40): refused at once with 503; finished before the kill: ok.
+    allowed = {"ok", "error event: redis_unavailable", "HTTP 503: redis_unavailable"}
+    assert set(outcomes) <= allowed, outcomes
     assert outcomes["error event: redis_unavailable"] >= 1, outcomes
     # New requests during the outage: 503 at once (the supervisor may already have
     # brought Redis back, which is a 200; either way no wait).
