@@ -47,6 +47,10 @@ NAMESPACE = "llm"
 NAME = "llama"
 PREFILL, DECODE = "llama-prefill", "llama-decode"
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
+# Pools of other kinds: a StatefulSet and an engine operator's kind, both scalable.
+STATEFULSETS = kmock.resource("apps", "v1", "statefulsets")
+ENGINE_POOLS = kmock.resource("serving.example.com", "v1alpha1", "enginepools")
+SCALABLE = (DEPLOYMENTS, STATEFULSETS, ENGINE_POOLS)
 AUTOSCALERS = kmock.resource(crd.GROUP, crd.VERSION, crd.PLURAL)
 INTERVAL_S = 0.3
 # What the spec() below writes out rather than leaving to the controller's defaults, so
@@ -175,9 +179,12 @@ class Cluster:
             server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
                 kind="CustomResourceDefinition", namespaced=False, verbs=verbs
             )
-            server.resources[DEPLOYMENTS] = info(
-                kind="Deployment", namespaced=True, verbs=verbs, subresources={"scale", "status"}
-            )
+            for resource, kind in zip(
+                SCALABLE, ("Deployment", "StatefulSet", "EnginePool"), strict=True
+            ):
+                server.resources[resource] = info(
+                    kind=kind, namespaced=True, verbs=verbs, subresources={"scale", "status"}
+                )
             server.resources[AUTOSCALERS] = info(
                 kind=crd.KIND,
                 singular="sloautoscaler",
@@ -187,16 +194,17 @@ class Cluster:
                 subresources={"status"},
             )
             # The scale subresource renders as an autoscaling/v1 Scale, as in a cluster.
-            scale = (server**-1)[DEPLOYMENTS, kmock.subresource("scale")]
-            scale[kmock.action.FETCH] << self._scale_of
-            scale[kmock.action.UPDATE] << self._scale_of
+            for resource in SCALABLE:
+                scale = (server**-1)[resource, kmock.subresource("scale")]
+                scale[kmock.action.FETCH] << self._scale_of
+                scale[kmock.action.UPDATE] << self._scale_of
             started.set_result(
                 (server, str(http.url).rstrip("/"), asyncio.get_running_loop(), stop)
             )
             await stop.wait()
 
     def _scale_of(self, request: kmock.Request) -> dict[str, Any]:
-        key = (DEPLOYMENTS, request.namespace, request.name or "")
+        key = (request.resource, request.namespace, request.name or "")
         if key not in self.server.objects or self.server.objects[key].deleted:
             raise kmock.KubernetesObjectNotFoundError()
         stored = self.server.objects[key]

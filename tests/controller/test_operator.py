@@ -135,6 +135,60 @@ def test_creating_a_resource_scales_both_deployments_to_the_solvers_answer(
     assert all(e["type"] == "Normal" for e in scaled)
 
 
+def test_a_statefulset_and_a_custom_scalable_kind_are_scaled_like_deployments(
+    operator: Operator, kube: Kube
+) -> None:
+    expected = expected_replicas(120.0, ttft_p99_s=2.0)
+    for (group, version, plural), name in (
+        (("serving.example.com", "v1alpha1", "enginepools"), "prefill-engines"),
+        (("apps", "v1", "statefulsets"), "decode-set"),
+    ):
+        kube.objects.create_namespaced_custom_object(
+            group,
+            version,
+            NAMESPACE,
+            plural,
+            {
+                "apiVersion": f"{group}/{version}",
+                "kind": "Object",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"replicas": 1},
+            },
+        )
+    kube.create(
+        spec(
+            prefill={
+                "deployment": None,
+                "scaleTargetRef": {
+                    "apiVersion": "serving.example.com/v1alpha1",
+                    "kind": "EnginePool",
+                    "name": "prefill-engines",
+                },
+            },
+            decode={
+                "deployment": None,
+                "scaleTargetRef": {
+                    "apiVersion": "apps/v1",
+                    "kind": "StatefulSet",
+                    "name": "decode-set",
+                },
+            },
+        )
+    )
+
+    def replicas() -> tuple[int, int]:
+        pools = kube.objects.get_namespaced_custom_object(
+            "serving.example.com", "v1alpha1", NAMESPACE, "enginepools", "prefill-engines"
+        )
+        sets = kube.objects.get_namespaced_custom_object(
+            "apps", "v1", NAMESPACE, "statefulsets", "decode-set"
+        )
+        return int(pools["spec"]["replicas"]), int(sets["spec"]["replicas"])
+
+    eventually(lambda: replicas() == expected, f"EnginePool and StatefulSet at {expected}")
+    assert kube.replicas() == (1, 1)  # the Deployments are not this resource's pools
+
+
 def test_a_tighter_slo_re_decides_with_more_replicas(operator: Operator, kube: Kube) -> None:
     before = expected_replicas(120.0, ttft_p99_s=2.0)
     after = expected_replicas(120.0, ttft_p99_s=0.2)
