@@ -93,11 +93,11 @@ def create_operator_app(
         found = runner()
         return [] if found is None else found.decisions(limit)
 
-    def ready() -> bool:
+    def ready() -> tuple[bool, str]:
         if not runtime.started.is_set():
-            return False
+            return False, "the operator has not started yet"
         found = runner()
-        return found is None or found.ready()
+        return (True, "ready") if found is None else found.readiness()
 
     def metrics() -> bytes:
         found = runner()

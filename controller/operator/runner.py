@@ -200,8 +200,17 @@ class AutoscalerRunner:
     def decisions(self, limit: int) -> list[dict[str, Any]]:
         return [] if self._loop is None else self._loop.decisions(limit)
 
+    def readiness(self) -> tuple[bool, str]:
+        """Ready while the spec is valid and the loop's latest tick succeeded; else
+        not, with the reason (the invalid spec, or the loop's own)."""
+        if self._invalid is not None:
+            return False, f"invalid spec: {self._invalid}"
+        if self._loop is None:
+            return False, "no control loop yet"
+        return self._loop.readiness()
+
     def ready(self) -> bool:
-        return self._loop is not None and self._loop.ready() and self._invalid is None
+        return self.readiness()[0]
 
     # -- one tick ---------------------------------------------------------------------------
 

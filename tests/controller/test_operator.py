@@ -596,12 +596,19 @@ def test_a_restarted_operator_resumes_the_loops_memory_from_the_status(
     assert json.loads(kube.get()["status"]["policyState"])["smoothed_rate_rps"] == 120.0
     first.close()
 
-    source.rate_rps = 40.0
+    changed_at = {
+        pool: json.loads(kube.get()["status"]["policyState"])[pool]["last_change_s"]
+        for pool in ("prefill", "decode")
+    }
+    # A small drop, within the window's counting noise: smoothed, not taken as a shift.
+    source.rate_rps = 116.0
     restarted = runner_for(kube, source)  # a new operator process: nothing in memory
     outcome = restarted.tick(kube.get())
-    # The EMA carries on from 120 (a fresh loop would start at 40), and the scale-down
-    # cooldown started by the first process still holds (a fresh loop has none).
-    assert outcome.status["arrivalRateRps"] == pytest.approx(0.5 * 120.0 + 0.5 * 40.0)
+    # The EMA carries on from 120 (a fresh loop would start at 116), and the pools'
+    # last changes, which start their cooldowns, are the first process's.
+    assert outcome.status["arrivalRateRps"] == pytest.approx(0.5 * 120.0 + 0.5 * 116.0)
+    resumed = json.loads(kube.get()["status"]["policyState"])
+    assert {pool: resumed[pool]["last_change_s"] for pool in changed_at} == changed_at
     assert kube.replicas() == scaled
 
 
