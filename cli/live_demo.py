@@ -60,7 +60,7 @@ EMULATED_PROFILE = "llama-2-70b-tp4@a100-80g"
 # it to fit in minutes, and the simulator replays with the same startup.
 EMULATED_STARTUP_S = 5.0
 EMULATED_DEFAULTS: dict[str, Any] = {
-    "ttft_p99": 2.0, "tpot_p99": 0.1, "calm_rate": 0.3, "burst_rate": 2.0,
+    "ttft_p99": 2.0, "tpot_p99": 0.1, "calm_rate": 0.3, "burst_rate": 1.2,
     "calm_s": 50.0, "burst_s": 120.0, "after_s": 80.0,
 }  # fmt: skip
 TORCH_DEFAULTS: dict[str, Any] = {
