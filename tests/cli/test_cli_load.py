@@ -140,14 +140,16 @@ def test_sends_stay_on_schedule_while_answers_queue_up(
     assert 0 < out["ttft_attainment"] < 1
 
 
-def test_timeouts_and_rejections_are_counted_by_kind_and_miss_the_slo(
+def test_refusals_and_rejections_are_counted_by_kind_and_miss_the_slo(
     start_router: Start, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     router = start_router(request_timeout_s=0.3)  # and no worker at all
     trace = write_trace(tmp_path / "t.csv", [(0.0, 8, 2), (0.01, 8, 2), (0.02, 600, 2)])
     out = run_json(capsys, "--url", router.url, "--trace", trace)
     assert (out["requests"], out["completed"], out["failed"]) == (3, 0, 3)
-    assert out["failures"] == {"http_400": 1, "timeout": 2}
+    # The too-long prompt is a 400; with no live worker the router refuses at once
+    # (503 no_workers) rather than letting the request time out.
+    assert out["failures"] == {"http_400": 1, "http_503": 2}
     assert out["slo_attainment"] == 0.0
     assert out["ttft_s"] is None
 
