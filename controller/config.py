@@ -335,7 +335,8 @@ class ForecastConfig:
         unit="s",
         gt=0,
         le=86_400,
-        doc="How far ahead the rate matters, seconds: a worker's start-up time plus one tick.",
+        doc="How far ahead the rate matters, seconds: a worker's start-up time plus one "
+        "tick (with lead_time enabled, the pools' measured lead time replaces it).",
     )
     trend_window_s: float = knob(
         default=300.0,

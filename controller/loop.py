@@ -24,17 +24,26 @@ from pathlib import Path
 from typing import Any
 
 from controller.actuator import Actuator
+from controller.config import ControllerConfig
 from controller.metrics import ControllerMetrics
 from controller.observation import ObservationSource
 from controller.policy import CapacityModels, ControllerState
 from controller.policy.forecast import RecordedArrivals
 from controller.profiles import load_profile
+from controller.sources.base import MeasurementUnavailable
 from controller.store import ConfigStore
 from controller.tick import TickRecord, run_tick
 from queueing.profile import IterationProfile
 
 log = logging.getLogger("sara.controller")
 STATE_FILE = "state.json"
+ARRIVALS_FILE = "arrivals.json"
+
+
+def _keep_s(config: ControllerConfig) -> float:
+    """How much rate history the forecaster reads: a period and its smoothing window."""
+    forecast = config.forecast
+    return forecast.period_s + forecast.seasonal_smoothing_s + config.window_s
 
 
 class ControlLoop:
@@ -61,9 +70,11 @@ class ControlLoop:
         self._lock = threading.Lock()
         self._profiles: dict[str, IterationProfile] = {}
         self.models = CapacityModels()  # this loop's, kept while the inputs hold
-        # The rates this loop measured, for the forecaster (in memory: a restart
-        # withholds the forecast until a trend window, or a day, has been seen again).
-        self.arrivals = RecordedArrivals(keep_s=86_400.0)
+        # The rates this loop measured, for the forecaster: warm-started from the
+        # source's own history when it keeps one (Prometheus), else from the record
+        # the loop persisted, so a restart does not wait a trend window, or a day.
+        self.arrivals = RecordedArrivals(keep_s=_keep_s(store.load().config))
+        self.arrivals_source = self._warm_start_arrivals()
         self.state = self._load_state()
 
     # -- state persistence ---------------------------------------------------------------
@@ -99,6 +110,42 @@ class ControlLoop:
             Path(tmp).unlink(missing_ok=True)
             raise
 
+    def _arrivals_path(self) -> Path | None:
+        return None if self.state_dir is None else self.state_dir / ARRIVALS_FILE
+
+    def _warm_start_arrivals(self) -> str:
+        """Fill the arrival record before the first tick; returns where it came from
+        ("metrics", "state" or "none")."""
+        config = self.store.load().config
+        history = getattr(self.source, "arrival_history", None)
+        if callable(history):
+            now_s = self.clock()
+            try:
+                points = history(
+                    start_s=now_s - self.arrivals.keep_s, end_s=now_s, step_s=config.window_s
+                )
+            except (MeasurementUnavailable, ValueError) as exc:
+                log.warning("arrivals: no history from the metrics (%s)", exc)
+            else:
+                if self.arrivals.seed(points, window_s=config.window_s):
+                    return "metrics"
+        path = self._arrivals_path()
+        if path is not None and path.exists():
+            try:
+                self.arrivals.restore(json.loads(path.read_text(encoding="utf-8")))
+                return "state"
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("arrivals: cannot read %s (%s); starting empty", path, exc)
+        return "none"
+
+    def _save_arrivals(self) -> None:
+        path = self._arrivals_path()
+        if path is None:
+            return
+        tmp = path.with_name(f".{ARRIVALS_FILE}.tmp")
+        tmp.write_text(json.dumps(self.arrivals.to_list()), encoding="utf-8")
+        os.replace(tmp, path)
+
     # -- one tick ----------------------------------------------------------------------
 
     def _profile(self, spec: str) -> IterationProfile:
@@ -113,8 +160,7 @@ class ControlLoop:
         now_s = self.clock()
         versioned = self.store.load()
         config = versioned.config
-        forecast = config.forecast
-        self.arrivals.keep_s = forecast.period_s + forecast.seasonal_smoothing_s + config.window_s
+        self.arrivals.keep_s = _keep_s(config)
         done = run_tick(
             now_s=now_s,
             config=config,
@@ -130,6 +176,7 @@ class ControlLoop:
         if done.record.decision is not None:
             self.state = done.state
             self._save_state()
+            self._save_arrivals()
             self.metrics.record_decision(done.record.decision, solve_s=done.decide_s)
         return self._record(done.record)
 

@@ -10,14 +10,15 @@ needs its own copy of its shape.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from controller.actuator import Actuator, ActuatorError, ActuatorRetryableError
-from controller.config import ControllerConfig
+from controller.config import ControllerConfig, ForecastConfig
 from controller.observation import ObservationSource
 from controller.policy import CapacityModels, ControllerState, Decision, decide
 from controller.policy.forecast import ArrivalHistory, forecast_rate_rps
+from controller.policy.leadtime import lead_time_s
 from queueing.pools import Pool
 from queueing.profile import IterationProfile, ProfileError
 
@@ -50,6 +51,17 @@ class Tick:
     record: TickRecord
     state: ControllerState
     decide_s: float | None  # None: no decision ran (actuator or profile error)
+
+
+def forecast_config(config: ControllerConfig, state: ControllerState) -> ForecastConfig:
+    """The forecaster's configuration for this tick: with lead-time planning on, its
+    horizon is the longer of the pools' measured lead times (start-up + tick), so it
+    looks as far ahead as a worker started now takes to serve; otherwise the
+    configured ``forecast.horizon_s``."""
+    if not config.lead_time.enabled:
+        return config.forecast
+    horizon_s = max(lead_time_s(pstate, config) for _, pstate in state.pools.items())
+    return replace(config.forecast, horizon_s=horizon_s)
 
 
 def run_tick(
@@ -92,7 +104,7 @@ def run_tick(
         return failed(f"profile: {exc}")
     observation = source.observe(now_s=now_s, replicas=replicas)
     history.note(observation, window_s=config.window_s)
-    forecast = forecast_rate_rps(history, now_s=now_s, config=config.forecast)
+    forecast = forecast_rate_rps(history, now_s=now_s, config=forecast_config(config, state))
     started = timer()
     decision = decide(
         observation,

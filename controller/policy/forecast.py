@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -161,8 +162,10 @@ class RecordedArrivals:
     overlaps (arrivals are taken as spread evenly over a window, which is all a rate
     says). An interval less than 99 % covered by recorded windows is not answered,
     so a missed tick or a restart withholds the forecast instead of reading as a
-    drop. The record is kept in memory for ``keep_s`` (a day and a smoothing window
-    by default, for the daily cycle); a restarted controller rebuilds it.
+    drop. The record is kept for ``keep_s`` (a day and a smoothing window by
+    default, for the daily cycle); a restarted controller warm-starts it from
+    Prometheus (``seed`` with ``PrometheusSource.arrival_history``) or from the
+    record it persisted (``to_list`` / ``restore``).
     """
 
     def __init__(self, *, keep_s: float) -> None:
@@ -179,7 +182,34 @@ class RecordedArrivals:
         rate = observation.arrival_rate_rps
         if rate is None or not usable(rate):
             return
-        end_s = observation.time_s
+        self.record(end_s=observation.time_s, window_s=window_s, rate_rps=float(rate))
+
+    def seed(self, points: Iterable[tuple[float, float]], *, window_s: float) -> int:
+        """Record past (end of window, req/s) measurements in time order — a metrics
+        store's history, or a persisted record — as if ticks had measured them;
+        returns how many were kept."""
+        kept = 0
+        for end_s, rate in sorted(points):
+            if usable(rate) and math.isfinite(end_s):
+                before = len(self._windows)
+                self.record(end_s=float(end_s), window_s=window_s, rate_rps=float(rate))
+                kept += len(self._windows) > before
+        return kept
+
+    def to_list(self) -> list[list[float]]:
+        """The record as [start_s, end_s, rate] triples (the loop persists it)."""
+        return [[w.start_s, w.end_s, w.rate_rps] for w in self._windows]
+
+    def restore(self, rows: Iterable[Iterable[float]]) -> None:
+        """Replace the record by ``to_list``'s triples (in time order)."""
+        windows = [_Window(start_s=a, end_s=b, rate_rps=r) for a, b, r in rows]
+        if any(w.end_s <= w.start_s or not usable(w.rate_rps) for w in windows):
+            raise ValueError("rows: each needs start_s < end_s and a rate >= 0")
+        self._windows = deque(sorted(windows, key=lambda w: w.start_s))
+
+    def record(self, *, end_s: float, window_s: float, rate_rps: float) -> None:
+        """One window's rate ending at ``end_s``."""
+        rate = rate_rps
         start_s = end_s - window_s
         # Windows that overlap the previous one (ticks faster than the window) are
         # clipped, so no interval counts its arrivals twice.
@@ -187,7 +217,7 @@ class RecordedArrivals:
             start_s = self._windows[-1].end_s
         if end_s <= start_s:
             return
-        self._windows.append(_Window(start_s=start_s, end_s=end_s, rate_rps=float(rate)))
+        self._windows.append(_Window(start_s=start_s, end_s=end_s, rate_rps=rate))
         while self._windows and self._windows[0].end_s < end_s - self.keep_s:
             self._windows.popleft()
 

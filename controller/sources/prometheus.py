@@ -119,6 +119,7 @@ class PrometheusSource:
         if n_length_samples < 1:
             raise ValueError(f"n_length_samples: must be >= 1, got {n_length_samples!r}")
         self._url = str(httpx.URL(base_url.rstrip("/") + "/api/v1/query"))
+        self._range_url = str(httpx.URL(base_url.rstrip("/") + "/api/v1/query_range"))
         self._timeout_s = float(timeout_s)
         self._scv_step_s = float(scv_step_s)
         self._n_samples = n_length_samples
@@ -136,6 +137,8 @@ class PrometheusSource:
             )
 
         flavor = flavor_queries(metrics)
+        # The arrival rate over any window, for the forecaster's history.
+        self._arrival_rate_over: Callable[[float], str] = lambda w: q(flavor.arrival_rate, w)
         self._queries: dict[str, _Query] = {
             "arrival_rate_rps": _Query(q(flavor.arrival_rate, window_s), _single_value),
             "burst_arrival_rate_rps": _Query(q(flavor.arrival_rate, burst_window_s), _single_value),
@@ -194,6 +197,36 @@ class PrometheusSource:
             kv_usage_fraction=values["kv_usage_fraction"],
         )
 
+    def arrival_history(
+        self, *, start_s: float, end_s: float, step_s: float
+    ) -> list[tuple[float, float]]:
+        """The arrival rate over each ``step_s`` window ending at ``start_s + k step_s``
+        up to ``end_s`` (a ``query_range`` of the arrival-rate query at that window),
+        as (end of window, req/s) pairs: what a warm-starting forecaster reads instead
+        of waiting a trend window, or a day, of its own ticks. Steps without a value
+        are left out; an unanswered query raises ``MeasurementUnavailable``."""
+        if not (math.isfinite(step_s) and step_s > 0):
+            raise ValueError(f"step_s: must be a finite number > 0, got {step_s!r}")
+        if not end_s > start_s:
+            raise ValueError(f"end_s: must be after start_s {start_s!r}, got {end_s!r}")
+        params = {
+            "query": self._arrival_rate_over(step_s),
+            "start": f"{start_s:.3f}",
+            "end": f"{end_s:.3f}",
+            "step": promql_duration(step_s),
+            "timeout": promql_duration(self._timeout_s),
+        }
+        data = self._get(self._range_url, params)
+        totals: dict[float, float] = {}
+        for series in _result(data, "matrix"):
+            if not isinstance(series, dict):
+                raise MeasurementUnavailable("malformed answer: a series is not an object")
+            for point in series.get("values", []):
+                t, value = _point(point)
+                if math.isfinite(value) and value >= 0:
+                    totals[t] = totals.get(t, 0.0) + value
+        return sorted(totals.items())
+
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
@@ -212,8 +245,11 @@ class PrometheusSource:
     def _fetch(self, promql: str) -> Mapping[str, Any]:
         """The ``data`` of a successful answer; anything else is MeasurementUnavailable."""
         params = {"query": promql, "timeout": promql_duration(self._timeout_s)}
+        return self._get(self._url, params)
+
+    def _get(self, url: str, params: Mapping[str, str]) -> Mapping[str, Any]:
         try:
-            response = self._client.get(self._url, params=params, timeout=self._timeout_s)
+            response = self._client.get(url, params=params, timeout=self._timeout_s)
         except httpx.TimeoutException as exc:
             raise MeasurementUnavailable("timed out") from exc
         except httpx.RequestError as exc:

@@ -8,9 +8,9 @@ actuates. There is no second copy of the policy or of the tick here: every stage
 clamp) is the production code's.
 
 ``sara-forecast`` is the same controller with its forecaster enabled
-(``ControllerConfig.forecast``; see ``controller.policy.forecast``), with the
-horizon set to this scenario's worker startup plus one tick: the configuration a
-user would deploy, not a simulator-only policy. The simulator answers the
+(``ControllerConfig.forecast``; see ``controller.policy.forecast``), looking as far
+ahead as the pools' measured start-up plus one tick: the configuration a user
+would deploy, not a simulator-only policy. The simulator answers the
 forecaster from every arrival (``sim.control.SimulatedArrivals``).
 """
 
@@ -30,7 +30,12 @@ from sim.policies.base import Allocation, ClusterView, Scenario
 
 
 def forecasting(scenario: Scenario, config: ControllerConfig) -> ControllerConfig:
-    """``config`` with the forecaster on, looking one worker startup and one tick ahead."""
+    """``config`` with the forecaster on. Its horizon is the controller's own: with
+    lead-time planning (the default) the pools' measured start-up plus one tick
+    (``controller.tick.forecast_config``), which is what a deployed controller sees;
+    with it off, this scenario's worker start-up plus one tick."""
+    if config.lead_time.enabled:
+        return replace(config, forecast=replace(config.forecast, enabled=True))
     horizon_s = scenario.worker_startup_s + config.interval_s
     return replace(config, forecast=replace(config.forecast, enabled=True, horizon_s=horizon_s))
 

@@ -196,8 +196,11 @@ class RampSource(FixedRateSource):
 def test_a_configured_forecaster_raises_the_planning_rate_on_a_rising_trend(
     tmp_path: Path,
 ) -> None:
+    # Lead-time planning off: the forecaster alone, at its configured 130-s horizon
+    # (with it on, the horizon is the measured lead time: test_same_config).
     forecast = replace(CONFIG.forecast, enabled=True, horizon_s=130.0)
-    store = MemoryConfigStore(replace(CONFIG, forecast=forecast))
+    lead_time = replace(CONFIG.lead_time, enabled=False)
+    store = MemoryConfigStore(replace(CONFIG, forecast=forecast, lead_time=lead_time))
     clock = Clock()
     source = RampSource(clock, rate0=5.0, slope=0.02)
     loop = make_loop(tmp_path, clock, source, IdealActuator(1, 1), store)
@@ -284,3 +287,42 @@ def test_a_tick_that_raises_is_recorded_as_failed_and_the_loop_goes_on(tmp_path:
     ready, reason = loop.readiness()
     assert not ready and "RuntimeError: the source fell over" in reason
     assert metric(loop, "sara_controller_tick_failing") == 1
+
+
+def test_a_restarted_loop_keeps_the_forecasters_record_of_rates(tmp_path: Path) -> None:
+    clock = Clock()
+    actuator = IdealActuator(1, 1)
+    source = FixedRateSource(clock, 12.0)
+    loop = make_loop(tmp_path, clock, source, actuator)
+    assert loop.arrivals_source == "none"
+    for _ in range(10):
+        loop.tick()
+        clock.now += 30
+    restarted = make_loop(tmp_path, clock, source, actuator)
+    assert restarted.arrivals_source == "state"
+    # Nine 30-s windows back to back at 12 req/s: 12 x 270 arrivals.
+    last = clock.now - 30
+    assert restarted.arrivals.count_between(last - 270, last) == pytest.approx(12.0 * 270)
+
+
+class HistorySource(FixedRateSource):
+    """A source that keeps its own history of the rate (as Prometheus does)."""
+
+    def arrival_history(
+        self, *, start_s: float, end_s: float, step_s: float
+    ) -> list[tuple[float, float]]:
+        self.asked = (start_s, end_s, step_s)
+        steps = int((end_s - start_s) // step_s)
+        return [(start_s + (k + 1) * step_s, 7.0) for k in range(steps)]
+
+
+def test_a_loop_warm_starts_the_record_from_a_source_that_keeps_history(tmp_path: Path) -> None:
+    clock = Clock()
+    source = HistorySource(clock, 7.0)
+    loop = make_loop(tmp_path, clock, source, IdealActuator(1, 1))
+    assert loop.arrivals_source == "metrics"
+    # A day and a smoothing window back, at the measurement window's step.
+    start_s, end_s, step_s = source.asked
+    assert end_s == clock.now and step_s == CONFIG.window_s
+    assert end_s - start_s == loop.arrivals.keep_s
+    assert loop.arrivals.count_between(clock.now - 3600, clock.now) == pytest.approx(7.0 * 3600)

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from controller.observation import Observation, PoolObservation
+from controller.policy.forecast import RecordedArrivals
 from controller.sources import PrometheusSource
 from controller.sources.histograms import histogram_quantile
 from controller.sources.prometheus import (
@@ -233,6 +234,26 @@ def test_the_measurements_match_the_driven_traffic(stack: Stack) -> None:
     assert observation.interarrival_scv < 0.2
     assert observation.prefill_queue_depth == 3
     assert observation.kv_usage_fraction == 0.25
+
+
+@needs_prometheus
+def test_the_arrival_history_warm_starts_the_forecasters_record(stack: Stack) -> None:
+    # The last full window of driven traffic, read back as a query_range of the
+    # arrival rate at 2-s steps: every step near the driven rate, and a record
+    # seeded from it counts rate x span arrivals over it.
+    step_s = 2.0
+    now_s = time.time()
+    with source(stack.url) as prom:
+        points = prom.arrival_history(start_s=now_s - WINDOW_S + step_s, end_s=now_s, step_s=step_s)
+    assert len(points) >= 3
+    assert [t for t, _ in points] == sorted(t for t, _ in points)
+    for _, rate in points:
+        assert rate == pytest.approx(RATE_RPS, rel=0.1)
+    record = RecordedArrivals(keep_s=3600.0)
+    assert record.seed(points, window_s=step_s) == len(points)
+    first, last = points[0][0] - step_s, points[-1][0]
+    count = record.count_between(first, last)
+    assert count == pytest.approx(RATE_RPS * (last - first), rel=0.1)
 
 
 @needs_prometheus
