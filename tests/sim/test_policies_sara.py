@@ -54,12 +54,18 @@ def test_sara_forecast_is_the_production_controller_with_its_forecaster_enabled(
     policy = make_policy("sara-forecast", trace, SCENARIO)
     assert isinstance(policy, SaraPolicy)
     base = SCENARIO.controller_config
-    # Nothing but the forecast block differs from the plain controller's configuration,
-    # and its horizon is one worker startup plus one tick.
+    # Nothing but the forecaster's switch differs from the plain controller's
+    # configuration: its horizon is the pools' measured lead time at every tick
+    # (controller.tick.forecast_config), as in a deployed controller.
     assert replace(policy.config, forecast=base.forecast) == base
     assert policy.config.forecast.enabled and not base.forecast.enabled
-    assert policy.config.forecast.horizon_s == SCENARIO.worker_startup_s + base.interval_s
+    assert replace(policy.config.forecast, enabled=False) == base.forecast
     assert policy.config == forecasting(SCENARIO, base)
+    # With lead-time planning off, the scenario's worker startup plus one tick.
+    off = replace(base, lead_time=replace(base.lead_time, enabled=False))
+    assert forecasting(SCENARIO, off).forecast.horizon_s == (
+        SCENARIO.worker_startup_s + base.interval_s
+    )
 
 
 def linear_arrivals(*, rate0: float, slope: float, start_s: float, end_s: float) -> np.ndarray:
