@@ -110,7 +110,10 @@ def run_row(args: tuple[str, str, float, float, int, int]) -> Row:
     profile = resolve_profile(profile_name)
     lengths = load_lengths(MIXES[mix])
     model = CapacityModel.build(lengths, profile, tpot_slo_s=PROFILES[profile_name], link=LINK)
+    # The rate the pools serve (the model's); the simulator is offered the demand, of
+    # which the requests beyond the profile's context are rejected.
     rate = u * PREFILL_WORKERS / model.prefill.mean_service_s
+    demand = rate / (1.0 - model.rejected_share)
     m = decode_workers_for(model, rate, ca2, u)
     config = ClusterConfig(
         prefill_workers=PREFILL_WORKERS,
@@ -124,12 +127,12 @@ def run_row(args: tuple[str, str, float, float, int, int]) -> Row:
     # pool takes to fill (sim.fidelity.transient_s); requests beyond the profile's
     # context are rejected (no TTFT) and left out, as the model leaves them out.
     transient = transient_s(model, lengths, decode_workers=m, rate=rate, ca2=ca2)
-    duration_s = requests / rate / 0.95 + 2.0 * transient
+    duration_s = requests / demand / 0.95 + 2.0 * transient
     start_s, end_s = steady_window(duration_s, transient)
     for replication in range(replications):
         seed = zlib.crc32(repr((mix, profile_name, ca2, u, replication)).encode())
         rng = np.random.default_rng(seed)
-        arrivals = gamma_arrivals(rate_rps=rate, ca2=ca2, duration_s=duration_s, rng=rng)
+        arrivals = gamma_arrivals(rate_rps=demand, ca2=ca2, duration_s=duration_s, rng=rng)
         trace = synthesize(arrival_s=arrivals, lengths=lengths, rng=rng, source=mix)
         results = Cluster(config, trace).run()
         steady = (trace.arrival_s >= start_s) & (trace.arrival_s < end_s)

@@ -94,7 +94,10 @@ class CapacityModel:
 
     Requests longer than the profile's context are rejected before they reach a pool
     (``queueing.profile.exceeds_context``), so the models are built on the others;
-    ``rejected_share`` is the share of the mix left out.
+    ``rejected_share`` is the share of the mix left out. Every ``arrival_rate_rps``
+    the models and the solver take is the rate of the requests the pools serve, as
+    the router counts demand (a rejected request is not counted); a caller holding
+    the demand including too-long requests converts it with ``admitted_rate_rps``.
     """
 
     prefill: PrefillModel
@@ -102,6 +105,11 @@ class CapacityModel:
     token_budget: int
     profile: IterationProfile
     rejected_share: float = 0.0
+
+    def admitted_rate_rps(self, demand_rps: float) -> float:
+        """The rate the pools serve out of ``demand_rps`` requests per second of this
+        mix, the too-long ones included: they are rejected and take no capacity."""
+        return demand_rps * (1.0 - self.rejected_share)
 
     def of(self, pool: Pool) -> PrefillModel | DecodeModel:
         """The pool's model (both answer ``is_stable`` and ``floor_quantile_s``)."""

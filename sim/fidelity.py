@@ -320,7 +320,10 @@ def run_case(
     """Predict and simulate one case (and, with ``decisions``, its pools one smaller)."""
     model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
     n = case.prefill_workers
+    # ``rate`` is what the pools serve (the model's rate); the simulator is offered
+    # the demand, of which the requests beyond the context are rejected.
     rate = case.utilisation * n / model.prefill.mean_service_s
+    demand = rate / (1.0 - model.rejected_share)
     m = decode_workers_for(model, rate, case.ca2, case.utilisation)
     # The pools one smaller are run over the same window (their decode fills slower
     # still, but the SLO is drawn between the two and only their order matters).
@@ -331,7 +334,7 @@ def run_case(
         model,
         prefill_workers=n,
         decode_workers=m,
-        rate=rate,
+        rate=demand,
         requests=requests,
         replications=replications,
         transient=transient,
@@ -349,7 +352,7 @@ def run_case(
                 model,
                 prefill_workers=max(1, n - 1),
                 decode_workers=max(1, m - 1),
-                rate=rate,
+                rate=demand,
                 requests=requests,
                 replications=replications,
                 transient=transient,

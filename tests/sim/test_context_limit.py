@@ -89,6 +89,9 @@ def test_router_simulator_and_model_reject_exactly_the_requests_beyond_the_conte
     )
     model = CapacityModel.build(samples, PROFILE, tpot_slo_s=0.1)
     assert model.rejected_share == pytest.approx(fits.count(False) / len(fits))
+    # Of a demand of this mix, the pools serve the requests that fit (the router does
+    # not count the others as demand; a simulated demand must be thinned).
+    assert model.admitted_rate_rps(10.0) == pytest.approx(10.0 * fits.count(True) / len(fits))
     # The model plans for the accepted requests only: its longest prompt is 63 tokens.
     longest_alone = model.prefill.floor_quantile_s(0.999)
     assert longest_alone == pytest.approx(
