@@ -343,7 +343,9 @@ class BlackBoxProfiler:
         self._stream(self._prompt(context), 6, one)
         gaps = np.diff(one.arrivals) if len(one.arrivals) > 2 else np.array([prefill_s])
         itl_s = max(float(np.median(gaps)), 1e-4)
-        return self._grid.output_tokens + math.ceil(batch * prefill_s / itl_s)
+        # Twice the estimate: the prefills slow down while the first streams decode
+        # beside them on a shared machine, and a stream that ends early is wasted.
+        return self._grid.output_tokens + 2 * math.ceil(batch * prefill_s / itl_s)
 
     def measure_itl(self, ttft: Sequence[TtftSample]) -> list[ItlSample]:
         samples = []
@@ -378,7 +380,9 @@ class BlackBoxProfiler:
                     end = min(o.arrivals[-1] for o in outs)
                     for o in outs:
                         inside = [i for i, t in enumerate(o.arrivals) if start <= t <= end]
-                        if len(inside) >= 3:
+                        # Enough gaps that a burst (tokens flushed together) cannot
+                        # pass for the cadence.
+                        if len(inside) > max(2, self._grid.output_tokens // 2):
                             first, last = inside[0], inside[-1]
                             gap = (o.arrivals[last] - o.arrivals[first]) / (last - first)
                             gaps.append(gap)
