@@ -232,7 +232,10 @@ class EmulatedEngine(Engine):
         less than its own duration after the previous one was due, it starts at that
         due time — the worker's work in between (publishing tokens, reading streams)
         ran while the emulated accelerator computed, as an engine that overlaps its
-        CPU work with the device's does — so that work is absorbed, not added.
+        CPU work with the device's does — so that work is absorbed, not added. Only
+        work already under way overlaps: a step that left nothing running ends the
+        cadence, and the next one starts when it is asked for (an idle accelerator
+        computes nothing ahead).
         """
         entry = self._clock()
         plan = self.scheduler.schedule(self.waiting)
@@ -276,6 +279,8 @@ class EmulatedEngine(Engine):
             out.append(GeneratedToken(seq_id, token))
             if seq_id in by_length:
                 self._retire(req, FinishReason.LENGTH, hold_kv=self.scheduler.keep_finished_kv)
+        if not self.waiting and not self.scheduler.has_unfinished:
+            self._last_due = None  # idle from here: the next request starts fresh
         while (left := due - self._clock()) > 0:
             self._sleep(left)
         return out

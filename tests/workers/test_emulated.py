@@ -129,6 +129,21 @@ def test_back_to_back_steps_keep_the_profiles_cadence_whatever_the_worker_does_b
     assert clock.now_s == pytest.approx(start + seen[2][0]) and seen[2][1] == 0.0
 
 
+def test_a_request_arriving_soon_after_the_engine_went_idle_gets_a_whole_step() -> None:
+    clock = FakeClock()
+    seen: list[tuple[float, float]] = []
+    e = engine(clock, on_step=lambda s, o: seen.append((s, o)))
+    e.add_request(list(range(10, 40)), SamplingParams(max_tokens=1))
+    e.step()  # the prompt's step, which finishes the request: nothing left to run
+    clock.sleep(0.002)  # idle, far less than a step, then the next request arrives
+    e.add_request(list(range(50, 90)), SamplingParams(max_tokens=1))
+    start = clock.now_s
+    e.step()
+    # Nothing was under way to overlap with: the whole step's time, from now.
+    assert seen[1][1] == 0.0
+    assert clock.now_s == pytest.approx(start + seen[1][0])
+
+
 def test_the_same_request_gets_the_same_tokens_whatever_shares_its_batch() -> None:
     asks = [
         (list(range(3, 40)), SamplingParams(max_tokens=12)),
