@@ -26,22 +26,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
-import torch
+import numpy as np
 
-from workers.checkpoint import load_model, tiny_config, write_tiny_checkpoint
-from workers.engine import Engine, tune_cpu_allocator
 from workers.redis_util import RedisServer, free_port
-from workers.sampling import SamplingParams
 
 TARGET_RATIO = 0.7
 BENCH_CONFIG = {
@@ -56,11 +57,17 @@ NUM_BLOCKS = 1024
 
 
 def prompts(batch: int, length: int) -> list[list[int]]:
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(3, 512, (length,), generator=gen).tolist() for _ in range(batch)]
 
 
 def engine_tokens_per_s(model_dir: Path, batch: list[list[int]], max_tokens: int) -> float:
+    from workers.checkpoint import load_model
+    from workers.engine import Engine
+    from workers.sampling import SamplingParams
+
     model = load_model(model_dir)
     engine = Engine(model, token_budget=TOKEN_BUDGET, num_blocks=NUM_BLOCKS, max_running=64)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -150,7 +157,23 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=int, default=64, help="generated per request")
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument(
+        "--router-ceiling", action="store_true",
+        help="instead: the router + Redis ceiling against emulated workers",
+    )  # fmt: skip
+    parser.add_argument("--workers", type=int, default=4, help="ceiling: workers per pool")
+    parser.add_argument("--profile", default=CEILING_PROFILE, help="ceiling: emulated profile")
+    parser.add_argument("--rates", default="2,4,8,16,24,32", help="ceiling: req/s, ascending")
+    parser.add_argument("--seconds", type=float, default=10.0, help="ceiling: per rate")
+    parser.add_argument("--router-profile", help="ceiling: write the router's cProfile here")
     args = parser.parse_args()
+    if args.router_ceiling:
+        return router_ceiling(args)
+
+    import torch
+
+    from workers.checkpoint import tiny_config, write_tiny_checkpoint
+    from workers.engine import tune_cpu_allocator
 
     torch.set_num_threads(1)
     tune_cpu_allocator()
@@ -184,6 +207,197 @@ def main() -> int:
     print(f"ratio served / engine = {ratio:.2f} (target >= {TARGET_RATIO}): "
           f"{'PASS' if ok else 'FAIL'}")  # fmt: skip
     return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------- router ceiling
+
+CEILING_PROFILE = "llama-3-8b@h100-sxm"
+ADDED_P99_LIMIT_S = 0.010
+
+
+def _fixed_rate_plan(rate_per_s: float, duration_s: float, prompt: int, max_tokens: int) -> list:
+    from cli.loadgen import PlannedRequest
+
+    gen = np.random.default_rng(0)
+    n = max(1, int(rate_per_s * duration_s))
+    return [
+        PlannedRequest(
+            index=i,
+            send_at_s=i / rate_per_s,
+            prompt_token_ids=tuple(int(t) for t in gen.integers(3, 250, prompt)),
+            max_tokens=max_tokens,
+        )
+        for i in range(n)
+    ]
+
+
+async def _direct(redis_url: str, plan: list, clock: Any = time.perf_counter) -> list[float]:
+    """The same requests straight onto the Redis streams (no HTTP, no router): each
+    one's TTFT from its scheduled time, as the load generator measures it."""
+    import redis.asyncio
+
+    from workers.protocol import AsyncStreams, PrefillRequest
+
+    client = redis.asyncio.Redis.from_url(redis_url, max_connections=2048)
+    streams = AsyncStreams(client)
+    start = clock() + 0.05
+
+    async def one(req: Any) -> float:
+        scheduled = start + req.send_at_s
+        await asyncio.sleep(max(0.0, scheduled - clock()))
+        wall = time.time()
+        pre = PrefillRequest(
+            request_id=f"cmpl-bench{req.index:08d}{int(wall * 1e6)}",
+            prompt_token_ids=req.prompt_token_ids,
+            max_tokens=req.max_tokens,
+            temperature=0.0,
+            top_p=1.0,
+            seed=req.index,
+            ignore_eos=True,
+            arrival_s=wall,
+            deadline_s=wall + 120,
+        )
+        await streams.enqueue_prefill(pre)
+        last, n, first = "0-0", 0, None
+        while n < req.max_tokens:
+            last, events = await streams.read_tokens(pre.request_id, last, block_ms=500)
+            if events and first is None:
+                first = clock() - scheduled
+            n += len(events)
+        await streams.finish(pre.request_id)
+        assert first is not None
+        return first
+
+    try:
+        return list(await asyncio.gather(*(one(r) for r in plan)))
+    finally:
+        await client.aclose()
+
+
+class EmulatedStack:
+    """Redis, ``sara router`` and emulated prefill/decode workers as separate processes."""
+
+    def __init__(self, work: Path, *, workers: int, profile: str, router_prof: Path | None):
+        from controller.profiles import load_profile
+        from workers.emulated import model_card
+
+        self.redis = RedisServer.start()
+        model = work / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(model_card(load_profile(profile))))
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        common = ["--redis", self.redis.url, "--model", str(model)]
+        python = [sys.executable]
+        router = ["-m", "cli", "router", *common, "--listen", f"127.0.0.1:{port}"]
+        if router_prof is not None:
+            router = ["-m", "cProfile", "-o", str(router_prof), *router]
+        self.procs = [
+            subprocess.Popen(
+                [*python, *router],
+                stdout=(work / "router.log").open("wb"),
+                stderr=subprocess.STDOUT,
+            )
+        ]
+        for pool in ("prefill", "decode"):
+            for i in range(workers):
+                self.procs.append(
+                    subprocess.Popen(
+                        [*python, "-m", "cli", "worker", pool, *common, "--engine", "emulated",
+                         "--profile", profile, "--startup-s", "0",
+                         "--metrics-listen", f"127.0.0.1:{free_port()}"],
+                        stdout=(work / f"{pool}{i}.log").open("wb"),
+                        stderr=subprocess.STDOUT,
+                    )
+                )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.close()
+                raise RuntimeError(f"the stack did not become ready; logs in {work}")
+            time.sleep(0.2)
+        time.sleep(1.0)  # every worker registered
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGINT)  # the router's profile is written on a clean exit
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.redis.stop()
+
+
+def _p(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else math.nan
+
+
+def router_ceiling(args: argparse.Namespace) -> int:
+    from cli.loadgen import ResultStatus, run_load
+
+    rates = [float(r) for r in args.rates.split(",")]
+    with tempfile.TemporaryDirectory(prefix="sara-ceiling-") as tmp:
+        work = Path(tmp)
+        prof = Path(args.router_profile).resolve() if args.router_profile else None
+        stack = EmulatedStack(work, workers=args.workers, profile=args.profile, router_prof=prof)
+        rows = []
+        try:
+            warm = _fixed_rate_plan(2.0, 2.0, args.prompt, args.max_tokens)
+            asyncio.run(run_load(stack.url, warm))
+            for rate in rates:
+                plan = _fixed_rate_plan(rate, args.seconds, args.prompt, args.max_tokens)
+                cpu0, client0 = _cpu_s(stack.procs[0].pid), time.process_time()
+                t0 = time.perf_counter()
+                results = asyncio.run(run_load(stack.url, plan))
+                wall = time.perf_counter() - t0
+                router_cpu = (_cpu_s(stack.procs[0].pid) - cpu0) / len(plan)
+                client_cpu = (time.process_time() - client0) / len(plan)
+                direct = asyncio.run(_direct(stack.redis.url, plan))
+                ok = [r for r in results if r.status is ResultStatus.OK]
+                routed = [r.ttft_s for r in ok if r.ttft_s is not None]
+                added = _p(routed, 99) - _p(direct, 99)
+                tokens_s = sum(r.output_tokens for r in ok) / wall
+                rows.append((rate, tokens_s, len(ok) / len(plan), _p(direct, 50), _p(direct, 99),
+                             _p(routed, 50), _p(routed, 99), added, router_cpu))  # fmt: skip
+                print(
+                    f"{rate:6.1f} req/s {tokens_s:8.0f} tok/s  ok {len(ok) / len(plan):6.1%}  "
+                    f"TTFT direct P50/P99 {_p(direct, 50) * 1e3:6.1f}/{_p(direct, 99) * 1e3:6.1f}"
+                    " ms"
+                    f"  routed {_p(routed, 50) * 1e3:6.1f}/{_p(routed, 99) * 1e3:6.1f} ms  "
+                    f"added P99 {added * 1e3:6.1f} ms  CPU/req router {router_cpu * 1e3:4.1f} ms"
+                    f" load generator {client_cpu * 1e3:4.1f} ms",
+                    flush=True,
+                )
+        finally:
+            stack.close()
+    # The ceiling: the highest rate below the first one whose added P99 is over the limit.
+    first_over = next((i for i, r in enumerate(rows) if r[7] > ADDED_P99_LIMIT_S), len(rows))
+    under, over = rows[:first_over], rows[first_over:]
+    print(
+        f"router + Redis ceiling ({args.workers} + {args.workers} emulated {args.profile} "
+        f"workers, {args.prompt} prompt + {args.max_tokens} generated tokens per request): "
+        + (
+            f"added TTFT P99 <= {ADDED_P99_LIMIT_S * 1e3:g} ms up to {under[-1][0]:g} req/s "
+            f"({under[-1][1]:.0f} streamed tokens/s)"
+            if under
+            else "over the limit at every rate"
+        )
+        + (f"; exceeded at {over[0][0]:g} req/s ({over[0][1]:.0f} tokens/s)" if over else "")
+    )
+    return 0
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

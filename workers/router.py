@@ -2,7 +2,8 @@
 
 ``POST /v1/completions`` validates the request, tokenises a text prompt, queues a
 ``PrefillRequest`` on the prefill stream (admission-limited), then reads the
-request's token stream back and answers — as server-sent events ending in
+request's token stream back (one blocking read for all requests in flight,
+``workers.token_fanout``) and answers — as server-sent events ending in
 ``data: [DONE]`` with ``stream: true``, else as one JSON body — with ``usage``.
 ``GET /v1/models``, ``/healthz`` (the process is up), ``/readyz`` (Redis answers
 and at least one prefill and one decode worker is live), ``/metrics``.
@@ -28,8 +29,9 @@ pool that has had no live worker for ``no_worker_grace_s`` ends that way at once
 (503 ``no_workers``) rather than at its timeout.
 
 Admission comes before exhaustion: a router serves at most ``max_inflight_requests``
-at once, below its Redis connection pool (each request in flight holds one
-connection while it waits for tokens), so overload is a 429, and a 503
+at once, below its Redis connection pool (a request in flight may hold one
+while it is admitted or cleaned up; its tokens come through the shared read), so
+overload is a 429, and a 503
 ``redis_unavailable`` means Redis itself failed. Text prompts are tokenised in a
 worker thread, never on the event loop. A client that goes away cancels
 its request (``AsyncStreams.cancel``: workers skip it).
@@ -78,6 +80,7 @@ from workers.protocol import (
 )
 from workers.registry import AsyncRegistry
 from workers.router_metrics import CONTENT_TYPE, Outcome, RouterMetrics
+from workers.token_fanout import TokenFanout
 
 logger = logging.getLogger(__name__)
 
@@ -316,10 +319,12 @@ class _Generation:
         """Tokens in order, then one ``_End``. Cleans up however it stops."""
         router = self.router
         router.metrics.inflight.inc()
+        router.fanout.subscribe(self.req.request_id)
         try:
             async for piece in self._read():
                 yield piece
         finally:
+            router.fanout.unsubscribe(self.req.request_id)
             router.metrics.inflight.dec()
             if self.outcome is None:  # the consumer stopped early: the client left
                 self.outcome = Outcome.CANCELLED
@@ -337,7 +342,6 @@ class _Generation:
     async def _read(self) -> AsyncIterator[_Token | _End]:
         router, config = self.router, self.router.config
         deadline = self.arrival + config.request_timeout_s
-        last_id = "0-0"
         while True:
             remaining = deadline - router.clock()
             if remaining <= 0:
@@ -345,10 +349,8 @@ class _Generation:
                 return
             block_ms = max(1, min(config.poll_block_ms, math.ceil(remaining * 1000)))
             try:
-                last_id, events = await router.streams.read_tokens(
-                    self.req.request_id, last_id, block_ms=block_ms
-                )
-            except _REDIS_ERRORS as exc:
+                events = await router.fanout.read(self.req.request_id, block_ms=block_ms)
+            except (*_REDIS_ERRORS, OSError) as exc:
                 yield self._fail(Outcome.UNAVAILABLE, router.unavailable(exc))
                 return
             except (ProtocolError, redis.ResponseError) as exc:
@@ -504,6 +506,7 @@ class Router:
         self.new_seed = new_seed
         self.keys = KeySpace(config.key_prefix)
         self._client: redis.asyncio.Redis | None = None
+        self._fanout: TokenFanout | None = None
         self.created = int(wall_clock())
         self.inflight_requests = 0  # admitted and not yet released (max_inflight_requests)
         self.liveness = Liveness(self)
@@ -520,6 +523,12 @@ class Router:
         return self._client
 
     @property
+    def fanout(self) -> TokenFanout:
+        if self._fanout is None:
+            self._fanout = TokenFanout(self.client, self.keys, block_ms=self.config.poll_block_ms)
+        return self._fanout
+
+    @property
     def streams(self) -> AsyncStreams:
         return AsyncStreams(self.client, self.keys)
 
@@ -528,6 +537,9 @@ class Router:
         return AsyncRegistry(self.client, self.keys)
 
     async def close(self) -> None:
+        if self._fanout is not None:
+            await self._fanout.close()
+            self._fanout = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
