@@ -19,6 +19,15 @@ enough that a step's compute, not Python, dominates, as with any real model; the
 tiny test model is so small that per-token bookkeeping would be most of the cost.
 
     .venv/bin/python bench/serving.py [--batch 16] [--prompt 128] [--max-tokens 64]
+
+``--router-ceiling``: the router + Redis ceiling instead. Redis, the router and
+``--workers`` emulated workers per pool (``--profile``) as processes; requests of
+``--prompt`` + ``--max-tokens`` tokens at each of ``--rates`` for ``--seconds``,
+through the router by the load generator of `sara load`, then the same requests
+straight onto the Redis streams (the pools without the router). Printed per rate:
+TTFT P50/P99 both ways, the router's added P99 (routed minus direct), streamed
+tokens/s, and the CPU per request of the router and of the load generator; then the
+highest rate below the first whose added P99 exceeds 10 ms.
 """
 
 from __future__ import annotations
