@@ -9,6 +9,7 @@ frozen holding entries, then killed (SIGKILL) or asked to drain (SIGTERM).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import time
@@ -30,7 +31,6 @@ from tests.workers.test_reliability import (
     Stack,
     _tails,
     cli,
-    kill_holding,
     load,
 )
 from workers.checkpoint import write_tiny_checkpoint
@@ -135,23 +135,47 @@ def stack(tmp_path: Path) -> Iterator[EmulatedStack]:
         server.stop()
 
 
+def kill_any_holding(
+    stack: EmulatedStack, pool: Pool, candidates: list[str], sig: signal.Signals
+) -> str:
+    """Signal whichever of ``candidates`` first holds an entry; its id.
+
+    Eight workers share a pool's stream and a request reaches only some of them, so
+    the victim is the first worker found holding work, not a fixed one."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for worker_id in candidates:
+            proc = stack.workers[worker_id]
+            os.kill(proc.pid, signal.SIGSTOP)  # freeze it, so what it holds cannot change
+            if stack.pending(pool, worker_id):
+                os.kill(proc.pid, sig)
+                if sig is not signal.SIGKILL:
+                    os.kill(proc.pid, signal.SIGCONT)
+                return worker_id
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.005)
+    raise AssertionError(f"none of {candidates} ever held an entry")
+
+
 def test_killing_an_emulated_worker_of_each_pool_mid_stream_loses_no_request(
     stack: EmulatedStack,
 ) -> None:
-    held: dict[str, int] = {}
+    victims: dict[tuple[Pool, signal.Signals], str] = {}
 
     def during() -> None:
-        held["prefill"] = kill_holding(stack, Pool.PREFILL, "prefill-0", signal.SIGKILL)
-        held["decode"] = kill_holding(stack, Pool.DECODE, "decode-0", signal.SIGKILL)
-        # And a scale-down of another worker of each pool, at the same time.
-        kill_holding(stack, Pool.PREFILL, "prefill-1", signal.SIGTERM)
-        kill_holding(stack, Pool.DECODE, "decode-1", signal.SIGTERM)
+        for sig in (signal.SIGKILL, signal.SIGTERM):  # a crash, then a scale-down
+            for pool in Pool:
+                taken = {v for (p, _), v in victims.items() if p is pool}
+                names = [f"{pool.value}-{i}" for i in range(PER_POOL)]
+                free = [n for n in names if n not in taken]
+                victims[(pool, sig)] = kill_any_holding(stack, pool, free, sig)
 
     outcomes = asyncio.run(load(stack.router_url, during))
-    assert held["prefill"] >= 1 and held["decode"] >= 1, held
+    assert len(victims) == 4, victims
     assert outcomes["ok"] == REQUESTS, (outcomes, _tails(stack.logs))
-    for worker_id in ("prefill-1", "decode-1"):
-        assert stack.workers[worker_id].wait(timeout=60) == 0, _tails(stack.logs)
+    for (_, sig), worker_id in victims.items():
+        if sig is signal.SIGTERM:
+            assert stack.workers[worker_id].wait(timeout=60) == 0, _tails(stack.logs)
     for pool in Pool:
         assert stack.client.xpending(KEYS.stream(pool), GROUPS[pool])["pending"] == 0
         assert len(stack.live(pool)) == PER_POOL - 2
