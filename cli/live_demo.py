@@ -290,6 +290,14 @@ def plot(timeline: Timeline, path: Path, ttft_slo: float, tpot_slo: float) -> No
     axes[3].axhline(tpot_slo, color="red", linestyle="--", label="SLO")
     axes[3].set_ylabel("seconds")
     axes[3].set_xlabel("time (s)")
+    finish_plot(fig, axes, timeline, "sara serve: load, workers and P99 latency through a burst",
+                path)
+
+
+def finish_plot(fig: Any, axes: Any, timeline: Any, title: str, path: Path) -> None:
+    """Mark the phases on every panel, add legends and grids, and save the figure."""
+    import matplotlib.pyplot as plt
+
     for ax in axes:
         for start, name in timeline.phase_at[:-1]:
             ax.axvline(start, color="grey", linewidth=0.8)
@@ -297,7 +305,7 @@ def plot(timeline: Timeline, path: Path, ttft_slo: float, tpot_slo: float) -> No
                 ax.text(start, 0, f" {name}", va="bottom", fontsize=8)
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle("sara serve: load, workers and P99 latency through a burst")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -39,6 +39,7 @@ from cli.live_demo import (
     _span,
     _stop,
     _wait_ready,
+    finish_plot,
     leftovers,
     monitor,
 )
@@ -384,17 +385,10 @@ def plot(timeline: Timeline, sim: Simulated, path: Path, ttft_slo: float, tpot_s
     axes[3].axhline(tpot_slo, color="red", linestyle="--", label="SLO")
     axes[3].set_ylabel("seconds")
     axes[3].set_xlabel("time (s)")
-    for ax in axes:
-        for start, name in timeline.phase_at[:-1]:
-            ax.axvline(start, color="grey", linewidth=0.8)
-            if ax is axes[0]:
-                ax.text(start, 0, f" {name}", va="bottom", fontsize=8)
-        ax.legend(loc="upper right", fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle("sara serve --engine emulated: load, workers (live and simulated), P99s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_plot(
+        fig, axes, timeline,
+        "sara serve --engine emulated: load, workers (live and simulated), P99s", path,
+    )
 
 
 def main_emulated(args: argparse.Namespace) -> int:
