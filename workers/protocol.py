@@ -744,9 +744,16 @@ class Streams:
         """
         if not entry_ids:
             return set()
-        held = self.client.eval(
-            _KEEP_ALIVE, 1, self.keys.stream(pool), GROUPS[pool], consumer, *entry_ids
-        )
+        try:
+            held = self.client.eval(
+                _KEEP_ALIVE, 1, self.keys.stream(pool), GROUPS[pool], consumer, *entry_ids
+            )
+        except redis.ResponseError as exc:
+            if not _is_nogroup(exc):
+                raise
+            # The stream is gone (a Redis restarted without its data): so is every
+            # entry held on it, and the requests were failed when Redis went away.
+            return set(entry_ids)
         return set(entry_ids) - {_text(e) for e in held}
 
     def reclaim_stale(

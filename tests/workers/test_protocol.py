@@ -442,3 +442,12 @@ def test_the_async_router_side_speaks_the_same_protocol(
 
     events = asyncio.run(scenario())
     assert events == [TokenEvent(index=0, token=3, finish_reason=FinishReason.LENGTH)]
+
+
+def test_keep_alive_after_redis_lost_its_streams_reports_every_entry_lost(
+    streams: Streams,
+) -> None:
+    # A Redis restarted without its data has no stream and no group: what a worker
+    # held is gone, and keep_alive says so instead of raising (which killed workers).
+    streams.client.flushall()
+    assert streams.keep_alive(Pool.DECODE, "w", ["1-0", "2-0"]) == {"1-0", "2-0"}
