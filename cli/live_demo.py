@@ -164,6 +164,7 @@ def monitor(api: str, timeline: Timeline, stop: threading.Event, start_s: float)
         t = time.monotonic() - start_s
         cur, want = status.get("current") or {}, status.get("desired") or {}
         obs = status.get("observed_p99_s") or {}
+        calibration = status.get("calibration") or {}
         row = {
             "t_s": t,
             "raw_rate_rps": status.get("raw_rate_rps"),
@@ -174,6 +175,8 @@ def monitor(api: str, timeline: Timeline, stop: threading.Event, start_s: float)
             "decode_desired": want.get("decode"),
             "ttft_p99_s": obs.get("prefill"),
             "tpot_p99_s": obs.get("decode"),
+            "calibration_prefill": calibration.get("prefill"),
+            "calibration_decode": calibration.get("decode"),
         }
         timeline.rows.append(row)
         phase = next((name for start, name in reversed(timeline.phase_at) if start <= t), "-")
@@ -260,6 +263,27 @@ def summary(reports: list[tuple[Phase, dict[str, Any]]], timeline: Timeline) -> 
 
 def _span(values: list[int]) -> str:
     return "-" if not values else f"{min(values)}-{max(values)}"
+
+
+def calibration_spans(timeline: Timeline, phase_names: list[str]) -> str:
+    """The controller's calibration factor (observed / predicted P99) per phase.
+
+    Near 1 means the profile describes the engine being served: the model plans on
+    what the workers really do, not on a correction pinned at its bound.
+    """
+    lines = ["calibration factor (observed / predicted P99), min-max per phase:"]
+    bounds = timeline.phase_at
+    for i, name in enumerate(phase_names):
+        lo, hi = bounds[i][0], bounds[i + 1][0]
+        rows = [r for r in timeline.rows if lo <= r["t_s"] < hi]
+        spans = []
+        for pool in ("prefill", "decode"):
+            values = [r[f"calibration_{pool}"] for r in rows]
+            values = [v for v in values if isinstance(v, int | float)]
+            span = "-" if not values else f"{min(values):.2f}-{max(values):.2f}"
+            spans.append(f"{pool} {span}")
+        lines.append(f"  {name:<6} " + "   ".join(spans))
+    return "\n".join(lines)
 
 
 def plot(timeline: Timeline, path: Path, ttft_slo: float, tpot_slo: float) -> None:
@@ -429,6 +453,7 @@ def main_torch(args: argparse.Namespace) -> int:
             os.kill(pid, signal.SIGKILL)
     print()
     print(summary(reports, timeline))
+    print(calibration_spans(timeline, [phase.name for phase in phases]))
     png = out / "demo.png"
     plot(timeline, png, args.ttft_p99, args.tpot_p99)
     (out / "timeline.json").write_text(json.dumps(timeline.rows, indent=1))

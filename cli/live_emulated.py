@@ -39,6 +39,7 @@ from cli.live_demo import (
     _span,
     _stop,
     _wait_ready,
+    calibration_spans,
     finish_plot,
     leftovers,
     monitor,
@@ -528,6 +529,7 @@ def main_emulated(args: argparse.Namespace) -> int:
     )
     print("\nlive (sara serve --engine emulated) vs simulated (the same requests, same policy):")
     print(side_by_side(phases, live, sim.phases))
+    print(calibration_spans(timeline, [phase.name for phase in phases]))
     png = out / "demo.png"
     plot(timeline, sim, png, args.ttft_p99, args.tpot_p99)
     (out / "timeline.json").write_text(json.dumps(timeline.rows, indent=1))
