@@ -4,6 +4,8 @@
     sara worker decode  --redis redis://127.0.0.1:6379 --model DIR --metrics-listen :9401
 
     sara worker prefill --engine emulated --profile llama-3-8b@h100-sxm --model DIR ...
+    sara worker decode --engine emulated ... --metrics-flavor vllm
+
 
 ``--model tiny`` means the generated tiny model, written once into ``--model-cache``
 (so every process of a deployment loads the same weights and tokenizer). With
@@ -12,6 +14,11 @@
 context), and the worker waits the profile's startup time (``--startup-s``) before
 it serves. A worker stops on SIGTERM after draining (finishes what it holds,
 deregisters), exit 0.
+
+``--metrics-flavor vllm|sglang`` adds, beside its ``sara_worker_*`` metrics, that
+engine's metric families fed by the same measurements (``workers.engine_metrics``),
+labelled with ``--served-model-name`` (default: the model folder's name), so that the
+controller's ``vllm`` and ``sglang`` flavours can be run against SARA's own pools.
 """
 
 from __future__ import annotations
@@ -70,7 +77,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from workers.transfer import RedisKvTransport
     from workers.worker import WorkerSettings
     from workers.worker_http import WorkerHttpServer
-    from workers.worker_metrics import WorkerMetrics
 
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {args.pool} %(message)s", stream=sys.stderr
@@ -101,7 +107,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--{str(exc).split(':')[0].replace('_', '-')}: {exc}") from exc
     model_dir = resolve_model(args.model, Path(args.model_cache))
-    metrics = WorkerMetrics(pool)
+    metrics = _worker_metrics(args, pool, model_dir)
     engine = (
         _torch_engine(args, model_dir, settings)
         if profile is None
@@ -176,6 +182,32 @@ def cmd_worker(args: argparse.Namespace) -> int:
         http.stop()
         for closer in closers:
             closer.close()
+
+
+def _worker_metrics(args: argparse.Namespace, pool: Pool, model_dir: Path) -> Any:
+    """The worker's metrics in ``--metrics-flavor`` (the engine's labels need the
+    served model's name and context, from its ``config.json``)."""
+    import json
+
+    from controller.config import MetricsFlavor
+    from workers.engine_metrics import EngineIdentity
+    from workers.worker_metrics import WorkerMetrics
+
+    flavor = MetricsFlavor(args.metrics_flavor)
+    if flavor is MetricsFlavor.SARA:
+        return WorkerMetrics(pool)
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        context = config["max_position_embeddings"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"--model: no max_position_embeddings in its config.json: {exc}") from exc
+    name = args.served_model_name or model_dir.name
+    try:
+        identity = EngineIdentity(model_name=name, max_model_len=context, pool=pool)
+    except ValueError as exc:
+        option = "served-model-name" if str(exc).startswith("model_name") else "model"
+        raise UsageError(f"--{option}: {exc}") from exc
+    return WorkerMetrics(pool, flavor=flavor, identity=identity)
 
 
 def _torch_engine(args: argparse.Namespace, model_dir: Path, settings: Any) -> Any:
@@ -288,6 +320,16 @@ def register(sub: Any) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=1, help="cpu: torch threads (default 1)")
     p.add_argument("--metrics-listen", default="127.0.0.1:0", metavar="HOST:PORT")
+    p.add_argument(
+        "--metrics-flavor",
+        choices=("sara", "vllm", "sglang"),
+        default="sara",
+        help="also export that engine's metrics from the same measurements (default: sara only)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        help="vllm/sglang flavours: the model_name label (default: the model folder's name)",
+    )
     p.add_argument("--worker-id", help="unique id (default POOL-HOST-PID)")
     p.add_argument("--token-budget", type=int, default=512, help="tokens per engine step")
     p.add_argument(

@@ -49,6 +49,11 @@ class _Held:
     outputs: list[int]  # tokens published so far, index 0 first
     restoring: bool = False
     snapshot: KvSnapshot | None = field(default=None, repr=False)  # restored, awaiting room
+    # Wall-clock time of its last token (the hand-off's for the first gap) and whether
+    # this worker times its tokens from the hand-off (not when taken over mid-way).
+    last_token_s: float = 0.0
+    from_hand_off: bool = True
+    generated_here: int = 0
 
     @property
     def request_id(self) -> str:
@@ -74,6 +79,10 @@ class DecodeWorker(Worker):
         self._seq_ids = itertools.count()
 
     # -- bookkeeping --------------------------------------------------------------------------
+
+    def waiting_requests(self) -> int:
+        # The hand-off it read but has no room for yet waits as in an engine's queue.
+        return self.engine.num_waiting + (self._pending is not None)
 
     def held_entry_ids(self) -> list[str]:
         ids = [h.entry_id for h in self._held.values()]
@@ -151,7 +160,9 @@ class DecodeWorker(Worker):
             self._pending = None
             self.transport.discard(rid)
             self.streams.ack(self.settings.pool, [delivery.entry_id])
-            self.metrics.ended(WorkerOutcome.CANCELLED)
+            self.metrics.ended(
+                WorkerOutcome.CANCELLED, prompt_tokens=req.prompt_tokens, output_tokens=1
+            )
             return
         params = SamplingParams(**req.sampling_kwargs())
         try:
@@ -159,7 +170,10 @@ class DecodeWorker(Worker):
         except ValueError as exc:
             self._pending = None
             self.transport.discard(rid)
-            self.fail(delivery.entry_id, rid, 1, f"cannot decode here: {exc}")
+            self.fail(
+                delivery.entry_id, rid, 1, f"cannot decode here: {exc}",
+                prompt_tokens=req.prompt_tokens,
+            )  # fmt: skip
             return
         if not self._has_place() or not self.engine.can_admit(req.prompt_tokens + req.max_tokens):
             return  # stays pending (kept alive) until a running request finishes
@@ -167,8 +181,14 @@ class DecodeWorker(Worker):
         if self._pending_reclaimed:
             outputs = self.streams.published_tokens(rid) or outputs
         self._pending = None
+        from_hand_off = len(outputs) == 1
         held = _Held(
-            entry_id=delivery.entry_id, msg=msg, seq_id=next(self._seq_ids), outputs=outputs
+            entry_id=delivery.entry_id,
+            msg=msg,
+            seq_id=next(self._seq_ids),
+            outputs=outputs,
+            last_token_s=msg.prefill_done_s if from_hand_off else self.wall_clock(),
+            from_hand_off=from_hand_off,
         )
         if self._finished_already(held):
             return
@@ -189,7 +209,11 @@ class DecodeWorker(Worker):
         event = TokenEvent(index=len(held.outputs) - 1, token=last, finish_reason=reason)
         self.streams.publish_token(held.request_id, event)
         self.streams.ack(self.settings.pool, [held.entry_id])
-        self.metrics.ended(WorkerOutcome.FINISHED)
+        self.metrics.ended(
+            WorkerOutcome.FINISHED, prompt_tokens=req.prompt_tokens,
+            output_tokens=len(held.outputs), stopped=eos,
+            e2e_s=self.wall_clock() - req.arrival_s,
+        )  # fmt: skip
         return True
 
     def _receive(self, msg: DecodeRequest) -> KvSnapshot | None:
@@ -271,12 +295,16 @@ class DecodeWorker(Worker):
             held = self._held[by_request[rid]]
             self._abort(held.seq_id)
             self.streams.ack(self.settings.pool, [held.entry_id])
-            self.metrics.ended(WorkerOutcome.CANCELLED)
+            self.metrics.ended(
+                WorkerOutcome.CANCELLED, prompt_tokens=held.msg.request.prompt_tokens,
+                output_tokens=len(held.outputs),
+            )  # fmt: skip
 
     def _publish(self, tokens: list[Any]) -> None:
         finished = {f.seq_id: f for f in self.engine.take_finished()}
         events: list[tuple[str, TokenEvent]] = []
         done: list[_Held] = []
+        sent: list[_Held] = []
         for seq_id, token in tokens:
             held = self._held.get(seq_id)
             if held is None or held.restoring:
@@ -290,19 +318,47 @@ class DecodeWorker(Worker):
                 )
             )
             held.outputs.append(token)
+            sent.append(held)
             if end is not None:
                 done.append(held)
         if events:
             self.streams.publish_tokens(events)
+            self._time_tokens(sent)
         for held in done:
             del self._held[held.seq_id]
             self.engine.release(held.seq_id)
             self.streams.ack(self.settings.pool, [held.entry_id])
-            self.metrics.ended(WorkerOutcome.FINISHED)
+            self._ended(held, finished[held.seq_id].finish_reason is FinishReason.STOP)
         for seq_id in finished:
             held = self._held.get(seq_id)
             if held is not None and held.restoring:
                 self._finish_restore(held)
+
+    def _time_tokens(self, published: list[_Held]) -> None:
+        """The gaps before the tokens just published, and the first token's latency
+        after the hand-off (this instance's own TTFT)."""
+        now_s = self.wall_clock()
+        gaps: list[float] = []
+        for held in published:
+            gaps.append(now_s - held.last_token_s)
+            held.last_token_s = now_s
+            held.generated_here += 1
+            if held.generated_here == 1 and held.from_hand_off:
+                self.metrics.first_token(now_s - held.msg.prefill_done_s)
+        self.metrics.token_gaps(gaps)
+
+    def _ended(self, held: _Held, stopped: bool) -> None:
+        """A request's last token is out: its mean gap from the hand-off, which follows
+        the first token's publication by the KV export and send (what the router
+        measures from the first token it reads)."""
+        req = held.msg.request
+        n = len(held.outputs)
+        timed = held.from_hand_off and n > 1
+        tpot_s = (held.last_token_s - held.msg.prefill_done_s) / (n - 1) if timed else None
+        self.metrics.ended(
+            WorkerOutcome.FINISHED, prompt_tokens=req.prompt_tokens, output_tokens=n,
+            stopped=stopped, e2e_s=held.last_token_s - req.arrival_s, tpot_s=tpot_s,
+        )  # fmt: skip
 
     def _finish_restore(self, held: _Held) -> None:
         snapshot = self.engine.export_kv(held.seq_id)

@@ -129,7 +129,7 @@ class PrefillWorker(Worker):
         req = delivery.message
         if req.expired(self.wall_clock()) or self.streams.cancelled([req.request_id]):
             self.streams.ack(self.settings.pool, [delivery.entry_id])
-            self.metrics.ended(WorkerOutcome.CANCELLED)
+            self.metrics.ended(WorkerOutcome.CANCELLED, prompt_tokens=req.prompt_tokens)
             return
         params = SamplingParams(**{**req.sampling_kwargs(), "max_tokens": 1})
         # The KV must hold the whole request on the decode side; checking it here
@@ -138,7 +138,8 @@ class PrefillWorker(Worker):
             self.engine.check_request(req.prompt_token_ids, SamplingParams(**req.sampling_kwargs()))
             seq_id = self.engine.add_request(req.prompt_token_ids, params)
         except ValueError as exc:
-            self.fail(delivery.entry_id, req.request_id, 0, str(exc))
+            prompt = req.prompt_tokens
+            self.fail(delivery.entry_id, req.request_id, 0, str(exc), prompt_tokens=prompt)
             return
         self._held[seq_id] = _Held(entry_id=delivery.entry_id, request=req, seq_id=seq_id)
 
@@ -151,7 +152,7 @@ class PrefillWorker(Worker):
             held = self._held[by_request[rid]]
             self._abort(held.seq_id)
             self.streams.ack(self.settings.pool, [held.entry_id])
-            self.metrics.ended(WorkerOutcome.CANCELLED)
+            self.metrics.ended(WorkerOutcome.CANCELLED, prompt_tokens=held.request.prompt_tokens)
 
     def _complete(self, held: _Held, finished: FinishedRequest) -> None:
         req, seq_id = held.request, held.seq_id
@@ -167,12 +168,20 @@ class PrefillWorker(Worker):
             )
             self.engine.release(seq_id)
             self.streams.publish_token(req.request_id, event)
+            ttft_s = self.wall_clock() - req.arrival_s
+            self.metrics.first_token(ttft_s)
             self.streams.ack(self.settings.pool, [held.entry_id])
-            self.metrics.ended(WorkerOutcome.FINISHED)
+            self.metrics.ended(
+                WorkerOutcome.FINISHED, prompt_tokens=req.prompt_tokens, output_tokens=1,
+                stopped=stop, e2e_s=ttft_s,
+            )  # fmt: skip
             return
         # The first token goes out before the KV moves: the client's TTFT does not wait
         # for the transfer. A re-run after a crash republishes index 0; readers keep one.
         self.streams.publish_token(req.request_id, TokenEvent(index=0, token=token))
+        # TTFT from the arrival at the router: the wait in the pool's stream is the
+        # queueing the prefill pool's size sets (an engine's waiting queue).
+        self.metrics.first_token(self.wall_clock() - req.arrival_s)
         snapshot = self.engine.export_kv(seq_id)
         self.engine.release(seq_id)
         payload = KvPayload.from_kv(req.request_id, key=snapshot.key, value=snapshot.value)
@@ -181,7 +190,10 @@ class PrefillWorker(Worker):
         except KvTransportUnavailableError:
             raise  # Redis is down: the entry stays pending and is re-run after reclaim
         except KvTransferError as exc:
-            self.fail(held.entry_id, req.request_id, 1, f"KV transfer failed: {exc}")
+            self.fail(
+                held.entry_id, req.request_id, 1, f"KV transfer failed: {exc}",
+                prompt_tokens=req.prompt_tokens,
+            )  # fmt: skip
             return
         if not getattr(self.transport, "deferred", False):  # else timed when it is pulled
             self.metrics.transferred(
@@ -201,5 +213,7 @@ class PrefillWorker(Worker):
                 prefill_done_s=self.wall_clock(),
             ),
         )
-        self.metrics.ended(WorkerOutcome.HANDED_OFF)
-
+        self.metrics.ended(
+            WorkerOutcome.HANDED_OFF, prompt_tokens=req.prompt_tokens, output_tokens=1,
+            e2e_s=self.wall_clock() - req.arrival_s,
+        )  # fmt: skip

@@ -305,16 +305,26 @@ class Worker(ABC):
         name, unseen by the others, with a delivery spent."""
         return 16
 
-    def publish_gauges(self) -> None:
-        self.metrics.queue_depth.set(self.queue_depth())
-        self.metrics.kv_utilization.set(self.kv_utilization())
+    def waiting_requests(self) -> int:
+        """Requests it holds that its engine has not started (an engine's waiting queue)."""
+        return self.engine.num_waiting
 
-    def fail(self, entry_id: str, request_id: str, index: int, message: str) -> None:
+    def publish_gauges(self) -> None:
+        self.metrics.gauges(
+            queue_depth=self.queue_depth(),
+            kv_utilization=self.kv_utilization(),
+            waiting=self.waiting_requests(),
+            running=self.engine.num_running,
+        )
+
+    def fail(
+        self, entry_id: str, request_id: str, index: int, message: str, *, prompt_tokens: int = 0
+    ) -> None:
         """End a request with an error event and acknowledge its entry."""
         logger.warning("request %s failed: %s", request_id, message)
         self.streams.publish_token(request_id, TokenEvent.failure(index, message))
         self.streams.ack(self.settings.pool, [entry_id])
-        self.metrics.ended(WorkerOutcome.FAILED)
+        self.metrics.ended(WorkerOutcome.FAILED, prompt_tokens=prompt_tokens, output_tokens=index)
 
     def timed_step(self, engine: Engine) -> list[GeneratedToken]:
         """One engine step, timed for ``sara_worker_iteration_seconds``."""
@@ -324,6 +334,5 @@ class Worker(ABC):
         elapsed_s = self.clock() - started
         plan = engine.last_plan
         if plan is not None and plan is not before:  # an empty step keeps the old plan
-            self.metrics.iteration_s.observe(elapsed_s)
-            self.metrics.batch_tokens.observe(plan.num_batched_tokens)
+            self.metrics.stepped(elapsed_s=elapsed_s, batch_tokens=plan.num_batched_tokens)
         return tokens

@@ -14,15 +14,22 @@
 
 Bucket bounds: iteration times from 1 ms (a small GPU decode step) to 10 s (a
 CPU step of a large batch); transfers from 100 µs to 30 s.
+
+With an engine flavour (``sara worker --metrics-flavor vllm|sglang``) the same events
+are also exposed under that engine's names (``workers.engine_metrics``): every event
+is recorded here once, and the flavour's exposition only names, labels and buckets it.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from controller.config import MetricsFlavor
 from queueing.pools import Pool
+from workers.engine_metrics import EndedRequest, EngineIdentity, RequestEnd, engine_exposition
 
 ITERATION_BUCKETS_S = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
@@ -42,18 +49,45 @@ class WorkerOutcome(enum.Enum):
     FAILED = "failed"  # ended with an error event (bad prompt for this model, lost KV...)
 
 
+# The engines' finish reason of each outcome (a prefill worker's hand-off ends its
+# part as a vLLM prefill instance's max_tokens=1 request ends: by length).
+_ENDS = {
+    WorkerOutcome.HANDED_OFF: RequestEnd.LENGTH,
+    WorkerOutcome.FINISHED: RequestEnd.LENGTH,
+    WorkerOutcome.CANCELLED: RequestEnd.ABORT,
+    WorkerOutcome.FAILED: RequestEnd.ERROR,
+}
+
+
 class TransferDirection(enum.Enum):
     SEND = "send"
     RECEIVE = "receive"
 
 
 class WorkerMetrics:
-    """The metrics of one worker of ``pool``; ``exposition()`` is the ``/metrics`` body."""
+    """The metrics of one worker of ``pool``; ``exposition()`` is the ``/metrics`` body.
 
-    def __init__(self, pool: Pool, registry: CollectorRegistry | None = None) -> None:
+    ``flavor`` adds that engine's families (``identity`` names the model and its
+    context for them; required unless ``flavor`` is ``sara``).
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        registry: CollectorRegistry | None = None,
+        *,
+        flavor: MetricsFlavor = MetricsFlavor.SARA,
+        identity: EngineIdentity | None = None,
+    ) -> None:
         self.pool = pool
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        if flavor is not MetricsFlavor.SARA and identity is None:
+            raise ValueError(f"identity: the {flavor.value} flavour names the model it serves")
+        if identity is not None and identity.pool is not pool:
+            raise ValueError(f"identity: pool {identity.pool.value} is not this worker's")
+        self.flavor = flavor
+        self.engine = None if identity is None else engine_exposition(flavor, identity, r)
         self.iteration_s = Histogram(
             "sara_worker_iteration_seconds",
             "Wall time of one engine step (forward pass and sampling).",
@@ -102,8 +136,60 @@ class WorkerMetrics:
         for outcome in WorkerOutcome:  # every series exists from the start (rate() of 0)
             self._requests.labels(pool.value, outcome.value)
 
-    def ended(self, outcome: WorkerOutcome) -> None:
+    def ended(
+        self,
+        outcome: WorkerOutcome,
+        *,
+        prompt_tokens: int = 0,
+        output_tokens: int = 0,
+        stopped: bool = False,
+        e2e_s: float | None = None,
+        tpot_s: float | None = None,
+    ) -> None:
+        """A request left this worker: ``output_tokens`` it has so far (all of them on
+        a decode worker), ``stopped`` on EOS, ``e2e_s`` since its arrival at the router,
+        ``tpot_s`` its mean gap between tokens where this worker timed them."""
         self._requests.labels(self.pool.value, outcome.value).inc()
+        if self.engine is not None:
+            end = _ENDS[outcome]
+            if stopped and outcome is WorkerOutcome.FINISHED:
+                end = RequestEnd.STOP
+            self.engine.ended(
+                EndedRequest(
+                    end=end,
+                    prompt_tokens=prompt_tokens,
+                    output_tokens=output_tokens,
+                    e2e_s=None if e2e_s is None else max(0.0, e2e_s),
+                    tpot_s=None if tpot_s is None else max(0.0, tpot_s),
+                )
+            )
+
+    def first_token(self, ttft_s: float) -> None:
+        """This worker's first token of a request, ``ttft_s`` after it arrived here."""
+        if self.engine is not None:
+            self.engine.first_token(max(0.0, ttft_s))
+
+    def token_gaps(self, gaps_s: Sequence[float]) -> None:
+        """The gap before each token this worker generated."""
+        if self.engine is not None:
+            self.engine.token_gaps([max(0.0, g) for g in gaps_s])
+
+    def stepped(self, *, elapsed_s: float, batch_tokens: int) -> None:
+        """One engine step that ran a plan."""
+        self.iteration_s.observe(elapsed_s)
+        self.batch_tokens.observe(batch_tokens)
+        if self.engine is not None:
+            self.engine.stepped(batch_tokens)
+
+    def gauges(
+        self, *, queue_depth: int, kv_utilization: float, waiting: int, running: int
+    ) -> None:
+        """The worker's state now: held requests, of which ``waiting`` not yet started
+        by its engine and ``running`` in its batch; the KV fraction in use."""
+        self.queue_depth.set(queue_depth)
+        self.kv_utilization.set(kv_utilization)
+        if self.engine is not None:
+            self.engine.gauges(waiting=waiting, running=running, kv_usage=kv_utilization)
 
     def transferred(
         self, *, transport: str, direction: TransferDirection, nbytes: int, duration_s: float
