@@ -116,19 +116,8 @@ class ControlLoop:
     def _warm_start_arrivals(self) -> str:
         """Fill the arrival record before the first tick; returns where it came from
         ("metrics", "state" or "none")."""
-        config = self.store.load().config
-        history = getattr(self.source, "arrival_history", None)
-        if callable(history):
-            now_s = self.clock()
-            try:
-                points = history(
-                    start_s=now_s - self.arrivals.keep_s, end_s=now_s, step_s=config.window_s
-                )
-            except (MeasurementUnavailable, ValueError) as exc:
-                log.warning("arrivals: no history from the metrics (%s)", exc)
-            else:
-                if self.arrivals.seed(points, window_s=config.window_s):
-                    return "metrics"
+        if self._seed_from_source():
+            return "metrics"
         path = self._arrivals_path()
         if path is not None and path.exists():
             try:
@@ -137,6 +126,36 @@ class ControlLoop:
             except (OSError, ValueError, TypeError) as exc:
                 log.warning("arrivals: cannot read %s (%s); starting empty", path, exc)
         return "none"
+
+    def _seed_from_source(self) -> bool:
+        """Seed the record from the source's own history (a ``query_range`` of the
+        arrival rate over the record's span at the measurement window's step), when
+        the source keeps one; whether anything was seeded."""
+        config = self.store.load().config
+        history = getattr(self.source, "arrival_history", None)
+        if not callable(history):
+            return False
+        now_s = self.clock()
+        try:
+            points = history(
+                start_s=now_s - self.arrivals.keep_s, end_s=now_s, step_s=config.window_s
+            )
+        except (MeasurementUnavailable, ValueError) as exc:
+            log.warning("arrivals: no history from the metrics (%s)", exc)
+            return False
+        return self.arrivals.seed(points, window_s=config.window_s) > 0
+
+    def replace_source(self, source: ObservationSource, *, same_series: bool) -> None:
+        """Observe through ``source`` from the next tick. Unless it measures the same
+        series (``same_series``: only the scale targets changed), its arrivals are
+        another record: the old one is dropped and the new source's history read, as
+        at start-up, so the forecaster neither plans on the old series nor waits a
+        trend window (or a day) for the new one."""
+        self.source = source
+        if same_series:
+            return
+        self.arrivals = RecordedArrivals(keep_s=_keep_s(self.store.load().config))
+        self.arrivals_source = "metrics" if self._seed_from_source() else "none"
 
     def _save_arrivals(self) -> None:
         path = self._arrivals_path()

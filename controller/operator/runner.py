@@ -10,6 +10,12 @@ kopf-free (the operator runs it in a worker thread):
 3. patch the status (replicas, predictions, the reason chain, conditions), and
    return the notices (Events) for kopf's loop to post.
 
+The forecaster's arrival record is warm-started by ``ControlLoop`` from the source's
+history (Prometheus: a ``query_range`` of the arrival rate over the last day) when
+the loop is built, and again when the spec binds another series (another
+Prometheus, selector or window), so neither a new operator nor a re-pointed one
+waits a trend window or a day before it forecasts.
+
 The policy state (EMA, cooldowns, stabilisation windows) lives in memory per
 resource and is written to ``status.policyState``; a restarted operator resumes it
 from there (an unreadable record starts fresh, which holds rather than scales down:
@@ -285,7 +291,13 @@ class AutoscalerRunner:
                 # Other scale targets or another Prometheus: new adapters, same policy
                 # state (the pools' history is what the resource has seen).
                 close_if_closable(self._loop.source)
-                self._loop.source = self._source_factory(spec)
+                previous_bindings = self._bindings
+                same_series = previous_bindings is not None and _series(
+                    previous_bindings
+                ) == _series(bindings)
+                # Another series warm-starts the forecaster's record again from the
+                # new source's history (ControlLoop.replace_source).
+                self._loop.replace_source(self._source_factory(spec), same_series=same_series)
                 self._loop.actuator = self._actuator_factory(self.namespace, spec)
         self._bindings = bindings
         return self._loop
@@ -367,6 +379,16 @@ class AutoscalerRunner:
             if self._loop is not None:
                 close_if_closable(self._loop.source)
                 close_if_closable(self._loop.actuator)
+
+
+def _series(bindings: _Bindings) -> tuple[object, ...]:
+    """What the measured arrivals depend on (not the scale targets)."""
+    return (
+        bindings.metrics,
+        bindings.window_s,
+        bindings.burst_window_s,
+        bindings.metrics_config,
+    )
 
 
 def _conditions(status: Mapping[str, Any] | None) -> list[Mapping[str, Any]] | None:

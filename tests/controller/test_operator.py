@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from kubernetes import client
@@ -28,6 +29,7 @@ from kubernetes import client
 from controller import crd
 from controller.config import ConfigError, ControllerConfig, SloConfig
 from controller.operator import (
+    AutoscalerRunner,
     CustomResourceConfigStore,
     OperatorRuntime,
     ResourceUnavailableError,
@@ -620,3 +622,89 @@ def test_an_unreadable_policy_state_starts_fresh(kube: Kube, source: ScriptedSou
     source.rate_rps = 40.0
     outcome = runner_for(kube, source).tick(body)
     assert outcome.status["arrivalRateRps"] == pytest.approx(40.0)
+
+
+class _RampWithHistory(ScriptedSource):
+    """A source that keeps history, as Prometheus does: ``arrival_history`` answers a
+    ``query_range`` of the arrival rate, here of a linear ramp over the last
+    ``ramp_s`` (each step's value is the mean rate over the window ending there, the
+    ramp's value at the window's middle). The calls are recorded."""
+
+    def __init__(self, *, now_s: float, start_rps: float, slope_rps_per_s: float) -> None:
+        super().__init__(rate_rps=0.0)
+        self.now_s = now_s
+        self.start_rps = start_rps
+        self.slope = slope_rps_per_s
+        self.ramp_s = 600.0
+        self.history_calls: list[tuple[float, float, float]] = []
+
+    def rate_at(self, t_s: float) -> float:
+        return self.start_rps + self.slope * (t_s - (self.now_s - self.ramp_s))
+
+    def arrival_history(
+        self, *, start_s: float, end_s: float, step_s: float
+    ) -> list[tuple[float, float]]:
+        self.history_calls.append((start_s, end_s, step_s))
+        first = max(start_s, self.now_s - self.ramp_s + step_s)
+        ends = np.arange(end_s, first - 1e-9, -step_s)[::-1]
+        return [(float(t), self.rate_at(float(t) - step_s / 2)) for t in ends]
+
+
+def test_the_operator_warm_starts_the_forecaster_from_the_sources_history(kube: Kube) -> None:
+    # A fresh operator whose source keeps history: its loop asks for the last day at
+    # the measurement window's step before its first tick, so the forecaster's trend
+    # is there at once. On a linear ramp the least-squares line through the window
+    # means is exact, so the forecast is the ramp's value a lead time ahead (the
+    # start-up prior plus one tick: no start-up measured yet).
+    now_s = 1_000_000.0
+    window_s = 30.0
+    source = _RampWithHistory(now_s=now_s, start_rps=20.0, slope_rps_per_s=0.1)
+    source.rate_rps = source.rate_at(now_s - window_s / 2)  # this window's mean
+    kube.create(spec(forecast={"enabled": True}))
+    runner = AutoscalerRunner(
+        namespace=NAMESPACE,
+        name=NAME,
+        api_client=kube.objects.api_client,
+        source_factory=source.build,
+        clock=lambda: now_s,
+    )
+    outcome = runner.tick(kube.get())
+    config = ControllerConfig()
+    (start_s, end_s, step_s), *_ = source.history_calls
+    assert step_s == window_s and end_s == now_s
+    assert now_s - start_s >= config.forecast.period_s  # a day: the cycle's history too
+    assert outcome.record is not None and outcome.record.decision is not None
+    lead_s = config.lead_time.startup_prior_s + INTERVAL_S
+    forecast = outcome.record.decision.forecast_rate_rps
+    assert forecast == pytest.approx(source.rate_at(now_s + lead_s), rel=1e-6)
+    assert forecast > source.rate_rps
+    runner.close()
+
+
+def test_a_new_metrics_binding_warm_starts_the_forecaster_again(kube: Kube) -> None:
+    # Another Prometheus (or selector) is another series: the record of the old one
+    # is dropped and the new source's history read, before the next tick plans on it.
+    now_s = 1_000_000.0
+    old = _RampWithHistory(now_s=now_s, start_rps=20.0, slope_rps_per_s=0.1)
+    new = _RampWithHistory(now_s=now_s, start_rps=60.0, slope_rps_per_s=0.05)
+    for s in (old, new):
+        s.rate_rps = s.rate_at(now_s - 15.0)
+    sources = iter((old, new))
+    kube.create(spec(forecast={"enabled": True}))
+    runner = AutoscalerRunner(
+        namespace=NAMESPACE,
+        name=NAME,
+        api_client=kube.objects.api_client,
+        source_factory=lambda spec_: next(sources).build(spec_),
+        clock=lambda: now_s,
+    )
+    runner.tick(kube.get())
+    kube.patch_spec({"metrics": {"prometheusUrl": "http://other-prometheus.monitoring:9090"}})
+    outcome = runner.tick(kube.get())
+    assert len(new.history_calls) == 1
+    assert outcome.record is not None and outcome.record.decision is not None
+    lead_s = ControllerConfig().lead_time.startup_prior_s + INTERVAL_S
+    assert outcome.record.decision.forecast_rate_rps == pytest.approx(
+        new.rate_at(now_s + lead_s), rel=1e-6
+    )
+    runner.close()
