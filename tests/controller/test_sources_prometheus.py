@@ -119,7 +119,9 @@ def wait_until(predicate: object, *, timeout_s: float, what: str) -> None:
         try:
             if predicate():
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
+            # Not up yet: refused, or, while its TSDB still starts, answered with a
+            # plain-text "Service Unavailable" that is not JSON.
             pass
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

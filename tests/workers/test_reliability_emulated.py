@@ -176,6 +176,6 @@ def test_killing_an_emulated_worker_of_each_pool_mid_stream_loses_no_request(
     for (_, sig), worker_id in victims.items():
         if sig is signal.SIGTERM:
             assert stack.workers[worker_id].wait(timeout=60) == 0, _tails(stack.logs)
+    assert stack.wait_for_no_pending() == {Pool.PREFILL: 0, Pool.DECODE: 0}
     for pool in Pool:
-        assert stack.client.xpending(KEYS.stream(pool), GROUPS[pool])["pending"] == 0
         assert len(stack.live(pool)) == PER_POOL - 2
