@@ -3,7 +3,8 @@
     sara router --listen 127.0.0.1:8000 --redis redis://127.0.0.1:6379 --model DIR
 
 The router imports no torch: it reads the checkpoint's ``config.json`` and
-``tokenizer.json`` only (``--model tiny`` is generated once into ``--model-cache``).
+``tokenizer.json`` only (``--model tiny`` is generated once into ``--model-cache``),
+and the chat template (``workers.router_chat``: the model's own, else ChatML).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from cli.runtime import add_deployment_args, resolve_model
 def cmd_router(args: argparse.Namespace) -> int:
     from controller.http_server import serve_http
     from workers.router import RouterConfig, create_router_app
+    from workers.router_chat import load_chat_template
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(message)s")
     host, port = common.parse_listen("--listen", args.listen)
@@ -33,12 +35,19 @@ def cmd_router(args: argparse.Namespace) -> int:
         vocab = int(model_config["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--model: cannot read {model_dir / 'config.json'}: {exc}") from exc
-    tokenize, detokenize = _tokenizer(model_dir)
+    tokenize, detokenize, tokenize_bare = _tokenizer(model_dir)
+    try:
+        template = load_chat_template(model_dir)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from exc
+    logging.getLogger(__name__).info("chat template: %s", template.source)
     try:
         config = RouterConfig(
             redis_url=args.redis,
             max_context_tokens=context,
-            model_name=args.model_name or model_dir.resolve().name,
+            # What clients name the model: by default what --model was given, so that
+            # `--model tiny` answers to "tiny".
+            model_name=args.model_name or args.model,
             vocab_size=vocab,
             max_queued_requests=args.max_queued,
             request_timeout_s=args.request_timeout_s,
@@ -47,21 +56,28 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--{str(exc).split(':')[0].replace('_', '-')}: {exc}") from exc
     app = create_router_app(
-        config, tokenize=tokenize, detokenize=detokenize, new_seed=lambda: secrets.randbits(63)
+        config,
+        tokenize=tokenize,
+        detokenize=detokenize,
+        new_seed=lambda: secrets.randbits(63),
+        chat_template=template,
+        # A model's own template writes its special tokens (BOS) itself.
+        tokenize_chat=tokenize_bare if template.adds_special_tokens else tokenize,
     )
     serve_http(app, host=host, port=port, access_log=False)
     return 0
 
 
-def _tokenizer(model_dir: Path) -> tuple[Any, Any]:
-    """Text in and out through ``tokenizer.json``; without one, prompts must be token ids."""
+def _tokenizer(model_dir: Path) -> tuple[Any, Any, Any]:
+    """Text in and out through ``tokenizer.json`` (tokenise, detokenise, and tokenise
+    without adding special tokens); without one, prompts must be token ids."""
     path = model_dir / "tokenizer.json"
     if not path.is_file():
 
         def no_text(text: str) -> list[int]:
             raise ValueError("this model has no tokenizer.json: send the prompt as token ids")
 
-        return no_text, lambda ids: ""
+        return no_text, lambda ids: "", no_text
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(path))
@@ -69,17 +85,24 @@ def _tokenizer(model_dir: Path) -> tuple[Any, Any]:
     def tokenize(text: str) -> list[int]:
         return list(tokenizer.encode(text).ids)
 
+    def tokenize_bare(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
     def detokenize(ids: list[int]) -> str:
         return str(tokenizer.decode(ids))
 
-    return tokenize, detokenize
+    return tokenize, detokenize, tokenize_bare
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("router", help="the OpenAI-compatible router")
     add_deployment_args(p)
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")
-    p.add_argument("--model-name", help="the id /v1/models shows (default: the folder's name)")
+    p.add_argument(
+        "--model-name",
+        "--served-model-name",
+        help="the id /v1/models shows and requests must name (default: --model as given)",
+    )
     p.add_argument("--max-queued", type=int, default=1024, help="admission limit (429 beyond)")
     p.add_argument(
         "--request-timeout-s", type=float, default=300.0, help="arrival to last token, seconds"

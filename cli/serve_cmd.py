@@ -117,6 +117,15 @@ def _redis(url: str | None, children: list[Any]) -> Iterator[str]:
         server.stop()
 
 
+def served_model_name(args: argparse.Namespace, model_dir: Path) -> str:
+    """What clients name the model: ``--served-model-name``, else what ``--model`` was
+    given (``tiny``, not the generated folder's name); with ``--engine emulated`` (no
+    ``--model``) the emulated model folder's name."""
+    if args.served_model_name:
+        return str(args.served_model_name)
+    return model_dir.name if args.engine == "emulated" else str(args.model)
+
+
 @contextlib.contextmanager
 def _router(
     args: argparse.Namespace, redis_url: str, model_dir: Path, log: Path, children: list[Any]
@@ -135,6 +144,8 @@ def _router(
             str(model_dir),
             "--request-timeout-s",
             str(args.request_timeout_s),
+            "--model-name",
+            served_model_name(args, model_dir),
         ),
         log=log,
         health_url=f"{url}/healthz",
@@ -374,6 +385,11 @@ def register(sub: Any) -> None:
     p.add_argument("--redis", metavar="URL", help="use this Redis (default: start a private one)")
     p.add_argument("--model", default="tiny", metavar="DIR|tiny")
     p.add_argument("--model-cache", default=str(DEFAULT_MODEL_CACHE), metavar="DIR")
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id of the API (default: --model as given; emulated: the profile's)",
+    )
     p.add_argument("--state-dir", default=".sara/serve", metavar="DIR")
     p.add_argument("--config", metavar="FILE", help="controller config JSON (GET /v1/config)")
     p.add_argument(

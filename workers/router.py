@@ -43,14 +43,16 @@ dropped here.
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import json
 import logging
 import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -79,7 +81,9 @@ from workers.protocol import (
     connect_async,
 )
 from workers.registry import AsyncRegistry
+from workers.router_chat import DEFAULT_CHAT_TEMPLATE, ChatError, ChatTemplate, parse_messages
 from workers.router_metrics import CONTENT_TYPE, Outcome, RouterMetrics
+from workers.router_stop import StopMatcher
 from workers.token_fanout import TokenFanout
 
 logger = logging.getLogger(__name__)
@@ -95,6 +99,7 @@ _RESERVED_CONNECTIONS = 16
 _BODY_OVERHEAD_BYTES = 16_384
 # A refused body is read and dropped up to this size, so the client sees its 413.
 _MAX_DRAIN_BYTES = 64 * 1024 * 1024
+COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,26 +192,82 @@ class RouterConfig:
 # --------------------------------------------------------------------------- the API edge
 
 
-class CompletionBody(BaseModel):
-    """``POST /v1/completions``. Unknown fields are ignored; unsupported ones rejected."""
+# OpenAI's limits: n up to 128 choices, up to 4 stop sequences.
+MAX_CHOICES = 128
+MAX_STOP_SEQUENCES = 4
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
+
+
+class _SamplingBody(BaseModel):
+    """The fields both endpoints share. Unknown fields are ignored; unsupported ones
+    rejected."""
 
     model_config = ConfigDict(extra="ignore")
 
     # Strict types: "0.5" is not a temperature, "yes" not a boolean.
     model: StrictStr | None = None
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat = Field(default=1.0, ge=0, le=2)
     top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
     seed: StrictInt | None = Field(default=None, ge=0, le=_MAX_SEED)
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens regardless of EOS
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
+    stop: StrictStr | list[StrictStr] | None = None
+
+
+class CompletionBody(_SamplingBody):
+    """``POST /v1/completions``."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     best_of: StrictInt | None = None
     echo: StrictBool = False
     logprobs: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
     suffix: StrictStr | None = None
+
+
+class ChatBody(_SamplingBody):
+    """``POST /v1/chat/completions``; ``messages`` is checked by ``parse_messages``
+    (its errors name the message and the field)."""
+
+    messages: Any
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class Endpoint(enum.Enum):
+    """Which API a request came through: its ``object`` names and chunk shape."""
+
+    COMPLETIONS = "text_completion"
+    CHAT = "chat.completion"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Ask:
+    """A validated request, whichever endpoint it came through."""
+
+    endpoint: Endpoint
+    ids: tuple[int, ...]
+    max_tokens: int
+    n: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    temperature: float
+    top_p: float
+    seed: int | None
+    ignore_eos: bool
 
 
 class ApiError(Exception):
@@ -303,10 +364,13 @@ class _Generation:
     entry_id: str
     arrival: float  # router clock
     detok: IncrementalDetokenizer
+    stop: StopMatcher
     tokens: list[int] = field(default_factory=list)
     first_at: float | None = None
     last_at: float | None = None
     outcome: Outcome | None = None  # set once the request ended
+    # Ended by a stop string while the workers still generate: they are told to stop.
+    cut_short: bool = False
     released: bool = False
 
     def release(self) -> None:
@@ -315,7 +379,7 @@ class _Generation:
             self.released = True
             self.router.inflight_requests -= 1
 
-    async def pieces(self) -> AsyncIterator[_Token | _End]:
+    async def pieces(self) -> AsyncGenerator[_Token | _End, None]:
         """Tokens in order, then one ``_End``. Cleans up however it stops."""
         router = self.router
         router.metrics.inflight.inc()
@@ -331,7 +395,7 @@ class _Generation:
                 router.metrics.ended(Outcome.CANCELLED)
             with anyio.move_on_after(router.config.redis_timeout_s, shield=True):
                 try:
-                    if self.outcome is Outcome.OK:
+                    if self.outcome is Outcome.OK and not self.cut_short:
                         await router.streams.finish(self.req.request_id)
                     else:
                         await router.streams.cancel(self.req.request_id, self.entry_id)
@@ -397,17 +461,24 @@ class _Generation:
         self.last_at = now
         self.tokens.append(event.token)
         text = self.detok.add(event.token)
-        if event.finish_reason is None and len(self.tokens) < self.req.max_tokens:
-            return _Token(event.token, text)
-        # The last token: a worker that overruns max_tokens is cut here.
-        reason: Literal["stop", "length"] = (
-            "stop" if event.finish_reason is FinishReason.STOP else "length"
-        )
+        # A worker that overruns max_tokens is cut here.
+        last = event.finish_reason is not None or len(self.tokens) >= self.req.max_tokens
+        if last:
+            text += self.detok.flush()
+        released, stopped = self.stop.feed(text)
+        reason: Literal["stop", "length"]
+        if stopped:
+            reason, self.cut_short = "stop", not last
+        elif not last:
+            return _Token(event.token, released)
+        else:
+            released += self.stop.flush()
+            reason = "stop" if event.finish_reason is FinishReason.STOP else "length"
         self.outcome = Outcome.OK
         n_out = len(self.tokens)
         tpot = None if n_out < 2 else (self.last_at - self.first_at) / (n_out - 1)
         self.router.metrics.finished(output_tokens=n_out, tpot_s=tpot)
-        return _End(finish_reason=reason, text=text + self.detok.flush())
+        return _End(finish_reason=reason, text=released)
 
     def _fail(self, outcome: Outcome, error: ApiError) -> _End:
         self.outcome = outcome
@@ -416,6 +487,67 @@ class _Generation:
             # A lower bound of its TTFT, so that overload shows in the P99.
             self.router.metrics.first_token(ttft_s=self.router.clock() - self.arrival)
         return _End(error=error, text=self.detok.flush())
+
+
+@dataclass
+class _Admitted:
+    """One API request: its ``n`` generations (one per choice), queued."""
+
+    ask: _Ask
+    response_id: str
+    created_s: int  # Unix seconds of its arrival
+    gens: list[_Generation] = field(default_factory=list)
+    started: set[int] = field(default_factory=set)  # chat choices whose role was sent
+
+    def release(self) -> None:
+        for gen in self.gens:
+            gen.release()
+
+    async def withdraw(self) -> None:
+        """Admission failed part-way (a later choice refused): cancel those queued."""
+        for gen in self.gens:
+            gen.outcome = Outcome.CANCELLED
+            gen.router.metrics.ended(Outcome.CANCELLED)
+            with anyio.move_on_after(gen.router.config.redis_timeout_s, shield=True):
+                try:
+                    await gen.router.streams.cancel(gen.req.request_id, gen.entry_id)
+                except redis.RedisError as exc:
+                    logger.info("cleanup of %s skipped: %s", gen.req.request_id, exc)
+            gen.release()
+
+    async def pieces(self) -> AsyncGenerator[tuple[int, _Token | _End], None]:
+        """Every choice's pieces, tagged with its index, as they come; each choice
+        ends with one ``_End``. Stopping early withdraws the choices still running."""
+        if len(self.gens) == 1:
+            async with aclosing(self.gens[0].pieces()) as only:
+                async for piece in only:
+                    yield 0, piece
+            return
+        queue: asyncio.Queue[tuple[int, _Token | _End]] = asyncio.Queue()
+
+        async def pump(index: int, gen: _Generation) -> None:
+            try:
+                async with aclosing(gen.pieces()) as pieces:
+                    async for piece in pieces:
+                        queue.put_nowait((index, piece))
+            except Exception as exc:  # a bug: this choice fails instead of hanging the rest
+                logger.exception("choice %d of %s failed", index, self.response_id)
+                queue.put_nowait((index, _End(error=_protocol_error(repr(exc)))))
+
+        # Tasks, not a task group: a generator must not yield inside one.
+        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(self.gens)]
+        try:
+            ended = 0
+            while ended < len(tasks):
+                index, piece = await queue.get()
+                ended += isinstance(piece, _End)
+                yield index, piece
+        finally:
+            for task in tasks:
+                task.cancel()
+            # Each generation cleans up in its own task (bounded by redis_timeout_s).
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _protocol_error(message: str) -> ApiError:
@@ -496,10 +628,14 @@ class Router:
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
         new_seed: Callable[[], int],
+        chat_template: ChatTemplate = DEFAULT_CHAT_TEMPLATE,
+        tokenize_chat: Tokenize | None = None,
     ) -> None:
         self.config = config
         self.tokenize = tokenize
         self.detokenize = detokenize
+        self.chat_template = chat_template
+        self.tokenize_chat = tokenize if tokenize_chat is None else tokenize_chat
         self.metrics = metrics
         self.clock = clock
         self.wall_clock = wall_clock
@@ -582,6 +718,14 @@ class Router:
             code="request_timeout",
         )
 
+    async def _tokenized(self, text: str, tokenize: Tokenize, param: str) -> list[int]:
+        try:
+            # A worker thread: a long prompt must not stall every other stream.
+            tokens = await anyio.to_thread.run_sync(tokenize, text)
+            return [int(t) for t in tokens]
+        except (ValueError, TypeError) as exc:
+            raise _invalid(f"the {param} cannot be tokenised: {exc}", param) from exc
+
     async def prompt_ids(self, body: CompletionBody) -> list[int]:
         prompt: Any = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -595,12 +739,7 @@ class Router:
         if isinstance(prompt, str):
             if not prompt:
                 raise _invalid("prompt: must not be empty", "prompt")
-            try:
-                # A worker thread: a long prompt must not stall every other stream.
-                tokens = await anyio.to_thread.run_sync(self.tokenize, prompt)
-                ids = [int(t) for t in tokens]
-            except (ValueError, TypeError) as exc:
-                raise _invalid(f"the prompt cannot be tokenised: {exc}", "prompt") from exc
+            ids = await self._tokenized(prompt, self.tokenize, "prompt")
         else:
             ids = list(prompt)
         if not ids:
@@ -613,8 +752,20 @@ class Router:
             )
         return ids
 
-    async def check(self, body: CompletionBody) -> tuple[list[int], int]:
-        """The prompt's token ids and max_tokens, or the 400/404 that says what is wrong."""
+    async def chat_ids(self, body: ChatBody) -> list[int]:
+        try:
+            messages = parse_messages(body.messages)
+            text = self.chat_template.render(messages)
+        except ChatError as exc:
+            raise _invalid(
+                str(exc), exc.param, "unsupported" if exc.unsupported else "invalid_value"
+            ) from exc
+        ids = await self._tokenized(text, self.tokenize_chat, "messages")
+        if not ids:
+            raise _invalid("messages: the chat template rendered them to no tokens", "messages")
+        return ids
+
+    def _check_model(self, body: _SamplingBody) -> None:
         if body.model is not None and body.model != self.config.model_name:
             raise ApiError(
                 404,
@@ -624,73 +775,147 @@ class Router:
                 code="model_not_found",
                 param="model",
             )
+
+    def _ask(self, body: _SamplingBody, endpoint: Endpoint, ids: list[int]) -> _Ask:
+        """The fields both endpoints share, checked; ``ids`` the prompt's tokens."""
+        if (
+            body.max_tokens is not None
+            and body.max_completion_tokens is not None
+            and body.max_tokens != body.max_completion_tokens
+        ):
+            raise _invalid(
+                f"max_completion_tokens: {body.max_completion_tokens} disagrees with max_tokens "
+                f"({body.max_tokens}); send one of them",
+                "max_completion_tokens",
+            )
+        max_tokens = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens
+        if body.stream_options is not None and not body.stream:
+            raise _invalid("stream_options: only allowed with stream: true", "stream_options")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise _invalid(
+                f"stop: at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", "stop"
+            )
+        if any(not s for s in stops):
+            raise _invalid("stop: a stop sequence must not be empty", "stop")
+        if body.n > self.config.max_inflight_requests:
+            raise _invalid(
+                f"n: this router serves at most {self.config.max_inflight_requests} requests "
+                f"at once, so n={body.n} can never be admitted",
+                "n",
+            )
+        ctx = self.config.max_context_tokens
+        # The one context rule, shared with the simulator and the capacity model.
+        if exceeds_context(len(ids), max_tokens, ctx):
+            param = "messages" if endpoint is Endpoint.CHAT else "prompt"
+            raise _invalid(
+                f"this model's context is {ctx} tokens, but the {param} ({len(ids)} tokens) "
+                f"plus max_tokens ({max_tokens}) asks for {len(ids) + max_tokens}",
+                param,
+                "context_length_exceeded",
+            )
+        return _Ask(
+            endpoint=endpoint,
+            ids=tuple(ids),
+            max_tokens=max_tokens,
+            n=body.n,
+            stop=tuple(stops),
+            stream=body.stream,
+            include_usage=body.stream_options is not None and body.stream_options.include_usage,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+        )
+
+    async def check(self, body: CompletionBody) -> _Ask:
+        """The request of ``/v1/completions``, or the 400/404 that says what is wrong."""
+        self._check_model(body)
         for name, bad in (
-            ("n", body.n != 1),
             ("best_of", body.best_of not in (None, 1)),
             ("echo", body.echo),
             ("logprobs", body.logprobs is not None),
-            ("stop", bool(body.stop)),
             ("suffix", bool(body.suffix)),
         ):
             if bad:
                 raise _invalid(f"{name}: not supported by this server", name, "unsupported")
-        ids = await self.prompt_ids(body)
-        max_tokens = body.max_tokens or self.config.default_max_tokens
-        ctx = self.config.max_context_tokens
-        # The one context rule, shared with the simulator and the capacity model.
-        if exceeds_context(len(ids), max_tokens, ctx):
-            raise _invalid(
-                f"this model's context is {ctx} tokens, but the prompt ({len(ids)} tokens) "
-                f"plus max_tokens ({max_tokens}) asks for {len(ids) + max_tokens}",
-                "prompt",
-                "context_length_exceeded",
-            )
-        return ids, max_tokens
+        return self._ask(body, Endpoint.COMPLETIONS, await self.prompt_ids(body))
 
-    async def admit(self, body: CompletionBody) -> _Generation:
-        """Validate and queue the request; raises ``ApiError`` (400/404/429/503).
+    async def check_chat(self, body: ChatBody) -> _Ask:
+        """The request of ``/v1/chat/completions``, or the 400/404 that says what is wrong."""
+        self._check_model(body)
+        response_format = (body.response_format or {}).get("type", "text")
+        for name, bad in (
+            ("logprobs", body.logprobs),
+            ("top_logprobs", body.top_logprobs is not None),
+            ("tools", bool(body.tools)),
+            ("functions", bool(body.functions)),
+            ("tool_choice", body.tool_choice not in (None, "none")),
+            ("response_format", response_format != "text"),
+        ):
+            if bad:
+                raise _invalid(f"{name}: not supported by this server", name, "unsupported")
+        return self._ask(body, Endpoint.CHAT, await self.chat_ids(body))
+
+    async def admit(self, body: CompletionBody | ChatBody) -> _Admitted:
+        """Validate and queue the request (``n`` of them for ``n`` choices); raises
+        ``ApiError`` (400/404/429/503).
 
         ``sara_requests_total`` counts what the data plane was asked to serve and
         either queued or refused for want of capacity (429): the demand the
-        controller plans on. Refusals because the data plane is broken (503: Redis
-        down, no worker) are counted apart, in ``sara_requests_refused_total``: a
-        client retrying against a dead Redis is not load the pools could absorb.
+        controller plans on; ``n`` choices are ``n`` requests to the pools. Refusals
+        because the data plane is broken (503: Redis down, no worker) are counted
+        apart, in ``sara_requests_refused_total``: a client retrying against a dead
+        Redis is not load the pools could absorb.
         """
         arrival, wall = self.clock(), self.wall_clock()
         try:
-            ids, max_tokens = await self.check(body)
+            ask = await (self.check_chat(body) if isinstance(body, ChatBody) else self.check(body))
         except ApiError:
             self.metrics.ended(Outcome.INVALID)
             raise
-        if self.inflight_requests >= self.config.max_inflight_requests:
-            self.metrics.arrived(prompt_tokens=len(ids))
-            self.metrics.ended(Outcome.REJECTED)
+        if self.inflight_requests + ask.n > self.config.max_inflight_requests:
+            for _ in range(ask.n):
+                self.metrics.arrived(prompt_tokens=len(ask.ids))
+                self.metrics.ended(Outcome.REJECTED)
             raise self.queue_full(
                 f"this router serves {self.config.max_inflight_requests} requests already"
             )
-        self.inflight_requests += 1  # before any await: the check and the count are one step
+        # Before any await: the check and the count are one step.
+        self.inflight_requests += ask.n
+        admitted = _Admitted(
+            ask=ask,
+            response_id=f"{'chatcmpl' if ask.endpoint is Endpoint.CHAT else 'cmpl'}-"
+            f"{uuid.uuid4().hex}",
+            created_s=int(wall),
+        )
         try:
-            gen = await self._enqueue(body, ids, max_tokens, arrival, wall)
+            missing = await self.liveness.pools_without_ready_workers()
+            if missing:
+                self.metrics.refused(Outcome.NO_WORKERS)
+                raise self.no_workers(missing)
+            for index in range(ask.n):
+                admitted.gens.append(await self._enqueue(admitted, index, arrival, wall))
         except BaseException:
-            self.inflight_requests -= 1
+            self.inflight_requests -= ask.n - len(admitted.gens)
+            await admitted.withdraw()
             raise
-        return gen
+        return admitted
 
     async def _enqueue(
-        self, body: CompletionBody, ids: list[int], max_tokens: int, arrival: float, wall: float
+        self, admitted: _Admitted, index: int, arrival: float, wall: float
     ) -> _Generation:
-        missing = await self.liveness.pools_without_ready_workers()
-        if missing:
-            self.metrics.refused(Outcome.NO_WORKERS)
-            raise self.no_workers(missing)
+        ask = admitted.ask
+        # Distinct choices from one seed, the same ones on every run.
+        seed = self.new_seed() if ask.seed is None else (ask.seed + index) % (_MAX_SEED + 1)
         req = PrefillRequest(
-            request_id=f"cmpl-{uuid.uuid4().hex}",
-            prompt_token_ids=tuple(ids),
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=self.new_seed() if body.seed is None else body.seed,
-            ignore_eos=body.ignore_eos,
+            request_id=admitted.response_id if ask.n == 1 else f"{admitted.response_id}.{index}",
+            prompt_token_ids=ask.ids,
+            max_tokens=ask.max_tokens,
+            temperature=ask.temperature,
+            top_p=ask.top_p,
+            seed=seed,
+            ignore_eos=ask.ignore_eos,
             arrival_s=wall,
             deadline_s=wall + self.config.request_timeout_s,
         )
@@ -702,75 +927,114 @@ class Router:
         except (redis.RedisError, TimeoutError) as exc:  # down, or refusing (OOM, READONLY)
             self.metrics.refused(Outcome.UNAVAILABLE)
             raise self.unavailable(exc) from exc
-        self.metrics.arrived(prompt_tokens=len(ids))
+        self.metrics.arrived(prompt_tokens=len(ask.ids))
         if entry_id is None:
             self.metrics.ended(Outcome.REJECTED)
             raise self.queue_full(
                 f"the prefill queue is full ({self.config.max_queued_requests} requests)"
             )
-        return _Generation(self, req, entry_id, arrival, IncrementalDetokenizer(self.detokenize))
+        return _Generation(
+            self,
+            req,
+            entry_id,
+            arrival,
+            IncrementalDetokenizer(self.detokenize),
+            StopMatcher(ask.stop),
+        )
 
-    def _chunk(self, gen: _Generation, choice: dict[str, Any]) -> dict[str, Any]:
+    # ----------------------------------------------------------------- the answers
+
+    def _chunk(
+        self, admitted: _Admitted, choices: list[dict[str, Any]], *, stream: bool
+    ) -> dict[str, Any]:
+        endpoint = admitted.ask.endpoint
+        kind = endpoint.value
+        if stream and endpoint is Endpoint.CHAT:
+            kind = "chat.completion.chunk"
         return {
-            "id": gen.req.request_id,
-            "object": "text_completion",
-            "created": self.created,
+            "id": admitted.response_id,
+            "object": kind,
+            "created": admitted.created_s,
             "model": self.config.model_name,
-            "choices": [{"index": 0, **choice}],
+            "choices": choices,
         }
 
-    def _usage(self, gen: _Generation) -> dict[str, int]:
-        p, c = gen.req.prompt_tokens, len(gen.tokens)
+    def _usage(self, admitted: _Admitted) -> dict[str, int]:
+        # The prompt once, as OpenAI counts it for n choices of one prompt.
+        p = len(admitted.ask.ids)
+        c = sum(len(g.tokens) for g in admitted.gens)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    async def sse(self, gen: _Generation) -> AsyncIterator[bytes]:
-        """Server-sent events: one chunk per token, the last with finish_reason and usage."""
-        async for piece in gen.pieces():
-            if isinstance(piece, _Token):
-                yield _event(
-                    self._chunk(
-                        gen,
-                        {
-                            "text": piece.text,
-                            "logprobs": None,
-                            "finish_reason": None,
-                            "token_ids": [piece.token],
-                        },
-                    )
-                )
-            elif piece.error is not None:
-                yield _event(piece.error.body())
-            else:  # the last token, with the finish
-                chunk = self._chunk(
-                    gen,
-                    {
-                        "text": piece.text,
-                        "logprobs": None,
-                        "finish_reason": piece.finish_reason,
-                        "token_ids": gen.tokens[-1:],
-                    },
-                )
-                yield _event({**chunk, "usage": self._usage(gen)})
+    def _delta(
+        self, admitted: _Admitted, index: int, text: str, reason: str | None, ids: list[int]
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if admitted.ask.endpoint is Endpoint.CHAT:
+            delta = {"content": text}
+            if index not in admitted.started:
+                admitted.started.add(index)
+                delta = {"role": "assistant", **delta}
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        return {**choice, "logprobs": None, "finish_reason": reason, "token_ids": ids}
+
+    async def sse(self, admitted: _Admitted) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per token; the last of each choice carries its
+        finish_reason. Usage: with ``stream_options.include_usage`` a last chunk with
+        no choices (OpenAI's); without, on the chunk that finishes the last choice."""
+        async with aclosing(admitted.pieces()) as pieces:
+            async for event in self._events(admitted, pieces):
+                yield event
         yield b"data: [DONE]\n\n"
 
-    async def complete(self, gen: _Generation) -> Response:
-        text: list[str] = []
-        async for piece in gen.pieces():
-            text.append(piece.text)
-            if isinstance(piece, _End):
-                if piece.error is not None:
-                    return piece.error.response()
-                body = self._chunk(
-                    gen,
-                    {
-                        "text": "".join(text),
-                        "logprobs": None,
-                        "finish_reason": piece.finish_reason,
-                        "token_ids": list(gen.tokens),
-                    },
-                )
-                return JSONResponse({**body, "usage": self._usage(gen)})
-        raise AssertionError("pieces() ends with an _End")
+    async def _events(
+        self, admitted: _Admitted, pieces: AsyncIterator[tuple[int, _Token | _End]]
+    ) -> AsyncIterator[bytes]:
+        include_usage = admitted.ask.include_usage
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
+        ended = 0
+        async for index, piece in pieces:
+            if isinstance(piece, _Token):
+                delta = self._delta(admitted, index, piece.text, None, [piece.token])
+                yield _event({**self._chunk(admitted, [delta], stream=True), **extra})
+                continue
+            if piece.error is not None:
+                yield _event(piece.error.body())
+                return  # the other choices are withdrawn as the pieces stop
+            ended += 1
+            last = admitted.gens[index].tokens[-1:]
+            delta = self._delta(admitted, index, piece.text, piece.finish_reason, last)
+            chunk = {**self._chunk(admitted, [delta], stream=True), **extra}
+            if ended == admitted.ask.n and not include_usage:
+                chunk["usage"] = self._usage(admitted)
+            yield _event(chunk)
+        if include_usage:
+            usage = self._usage(admitted)
+            yield _event({**self._chunk(admitted, [], stream=True), "usage": usage})
+
+    async def complete(self, admitted: _Admitted) -> Response:
+        texts: dict[int, list[str]] = {i: [] for i in range(admitted.ask.n)}
+        reasons: dict[int, str | None] = {}
+        async with aclosing(admitted.pieces()) as pieces:
+            async for index, piece in pieces:
+                texts[index].append(piece.text)
+                if isinstance(piece, _End):
+                    if piece.error is not None:
+                        return piece.error.response()
+                    reasons[index] = piece.finish_reason
+        choices = []
+        for index, gen in enumerate(admitted.gens):
+            text = "".join(texts[index])
+            choice: dict[str, Any] = {"index": index}
+            if admitted.ask.endpoint is Endpoint.CHAT:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=None, finish_reason=reasons[index], token_ids=list(gen.tokens))
+            choices.append(choice)
+        body = self._chunk(admitted, choices, stream=False)
+        return JSONResponse({**body, "usage": self._usage(admitted)})
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         try:
@@ -909,7 +1173,7 @@ class BodyLimit:
 
 
 class RefuseWhenFull:
-    """Answers ``POST /v1/completions`` with 429 before its body is read or parsed when
+    """Answers ``POST /v1/completions`` (and chat) with 429 before its body is read or parsed when
     the router already serves ``max_inflight_requests``: under an overload most
     requests are refused, and each refusal should cost the event loop next to nothing
     (``admit`` checks again, for those that pass here)."""
@@ -923,7 +1187,7 @@ class RefuseWhenFull:
         if (
             scope["type"] == "http"
             and scope["method"] == "POST"
-            and scope["path"] == "/v1/completions"
+            and scope["path"] in COMPLETION_PATHS
             and router.inflight_requests >= router.config.max_inflight_requests
         ):
             router.metrics.requests.inc()  # demand refused for want of capacity
@@ -945,10 +1209,13 @@ def create_router_app(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     new_seed: Callable[[], int] = lambda: secrets.randbits(63),
+    chat_template: ChatTemplate = DEFAULT_CHAT_TEMPLATE,
+    tokenize_chat: Tokenize | None = None,
 ) -> FastAPI:
     """The router's ASGI app. ``clock`` (monotonic seconds) times TTFT/TPOT and the
-    timeout; ``wall_clock`` stamps messages (Unix seconds); ``new_seed`` seeds
-    requests that carry none."""
+    timeout; ``wall_clock`` stamps messages and ``created`` (Unix seconds);
+    ``new_seed`` seeds requests that carry none; ``chat_template`` renders chat
+    messages into a prompt, which ``tokenize_chat`` (default ``tokenize``) tokenises."""
     router = Router(
         config,
         tokenize=tokenize,
@@ -957,6 +1224,8 @@ def create_router_app(
         clock=clock,
         wall_clock=wall_clock,
         new_seed=new_seed,
+        chat_template=chat_template,
+        tokenize_chat=tokenize_chat,
     )
 
     @asynccontextmanager
@@ -978,29 +1247,36 @@ def create_router_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if request.url.path == "/v1/completions":
+        if request.url.path in COMPLETION_PATHS:
             router.metrics.ended(Outcome.INVALID)
         return _http_error(exc).response()
 
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(RefuseWhenFull, router=router)  # outermost: before the size check
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionBody) -> Response:
-        gen = await router.admit(body)
+    async def answer(body: CompletionBody | ChatBody) -> Response:
+        admitted = await router.admit(body)
         if body.stream:
-            # The background task gives the slot back even when the client left before
+            # The background task gives the slots back even when the client left before
             # the stream started (the generator then never runs its cleanup).
             return StreamingResponse(
-                router.sse(gen),
+                router.sse(admitted),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                background=BackgroundTask(gen.release),
+                background=BackgroundTask(admitted.release),
             )
         try:
-            return await router.complete(gen)
+            return await router.complete(admitted)
         finally:
-            gen.release()
+            admitted.release()
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionBody) -> Response:
+        return await answer(body)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatBody) -> Response:
+        return await answer(body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -220,9 +220,25 @@ def test_readyz_needs_a_live_prefill_and_a_live_decode_worker(
         ({"prompt": "a", "temperature": 2.5}, "temperature", "invalid_value"),
         ({"prompt": "a", "top_p": 0}, "top_p", "invalid_value"),
         ({"prompt": "a", "seed": -1}, "seed", "invalid_value"),
-        ({"prompt": "a", "n": 2}, "n", "unsupported"),
-        ({"prompt": "a", "stop": ["\n"]}, "stop", "unsupported"),
+        ({"prompt": "a", "n": 0}, "n", "invalid_value"),
+        ({"prompt": "a", "n": 129}, "n", "invalid_value"),
+        ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({"prompt": "a", "stop": ""}, "stop", "invalid_value"),
+        ({"prompt": "a", "stop": [1]}, "stop", "invalid_value"),
+        ({"prompt": "a", "max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+        (
+            {"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4},
+            "max_completion_tokens",
+            "invalid_value",
+        ),
+        (
+            {"prompt": "a", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "invalid_value",
+        ),
         ({"prompt": "a", "logprobs": 1}, "logprobs", "unsupported"),
+        ({"prompt": "a", "echo": True}, "echo", "unsupported"),
+        ({"prompt": "a", "best_of": 2}, "best_of", "unsupported"),
     ],
 )
 def test_a_bad_request_is_a_400_with_an_openai_error_body(
@@ -492,7 +508,7 @@ def test_the_metrics_count_requests_lengths_ttft_and_tpot(served: ServerThread) 
     prompts = [[1] * 5, [2] * 40, [3] * 300]
     for prompt in prompts:
         assert post(served.url, {"prompt": prompt, "max_tokens": 10}).status_code == 200
-    post(served.url, {"prompt": "a", "n": 3})  # invalid: not an arrival
+    post(served.url, {"prompt": "a", "n": 0})  # invalid: not an arrival
     m = metrics(served.url)
     assert m["sara_requests_total"] == 3
     assert m['sara_request_outcomes_total{outcome="ok"}'] == 3
@@ -683,9 +699,7 @@ def test_a_stream_whose_decode_pool_empties_ends_with_no_workers_within_the_grac
 def test_past_max_inflight_requests_a_request_is_a_429_before_the_redis_pool_runs_dry(
     start_router: RouterFactory, registered: None
 ) -> None:
-    served = start_router(
-        max_inflight_requests=2, max_redis_connections=18, request_timeout_s=2.0
-    )
+    served = start_router(max_inflight_requests=2, max_redis_connections=18, request_timeout_s=2.0)
 
     async def burst() -> list[int]:
         async with httpx.AsyncClient(timeout=10) as client:
