@@ -45,9 +45,10 @@ def cmd_router(args: argparse.Namespace) -> int:
         config = RouterConfig(
             redis_url=args.redis,
             max_context_tokens=context,
-            # What clients name the model: by default what --model was given, so that
-            # `--model tiny` answers to "tiny".
-            model_name=args.model_name or args.model,
+            # What clients name the model: by default what --model was given (a
+            # folder's last component), so `--model tiny` answers to "tiny", not to
+            # the generated folder, and `--model /models/llama-3-8b` to "llama-3-8b".
+            model_name=args.model_name or default_model_name(args.model),
             vocab_size=vocab,
             max_queued_requests=args.max_queued,
             request_timeout_s=args.request_timeout_s,
@@ -66,6 +67,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     )
     serve_http(app, host=host, port=port, access_log=False)
     return 0
+
+
+def default_model_name(model: str) -> str:
+    """The served name of ``--model``: ``tiny`` as is, a folder by its last component."""
+    return Path(model).name or model
 
 
 def _tokenizer(model_dir: Path) -> tuple[Any, Any, Any]:
@@ -101,7 +107,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--model-name",
         "--served-model-name",
-        help="the id /v1/models shows and requests must name (default: --model as given)",
+        help="the id /v1/models shows and requests must name (default: --model as given, "
+        "a folder by its last component)",
     )
     p.add_argument("--max-queued", type=int, default=1024, help="admission limit (429 beyond)")
     p.add_argument(

@@ -119,11 +119,13 @@ def _redis(url: str | None, children: list[Any]) -> Iterator[str]:
 
 def served_model_name(args: argparse.Namespace, model_dir: Path) -> str:
     """What clients name the model: ``--served-model-name``, else what ``--model`` was
-    given (``tiny``, not the generated folder's name); with ``--engine emulated`` (no
-    ``--model``) the emulated model folder's name."""
+    given (``tiny``, not the generated folder's name; a folder by its last component);
+    with ``--engine emulated`` (no ``--model``) the emulated model folder's name."""
+    from cli.router_cmd import default_model_name
+
     if args.served_model_name:
         return str(args.served_model_name)
-    return model_dir.name if args.engine == "emulated" else str(args.model)
+    return model_dir.name if args.engine == "emulated" else default_model_name(args.model)
 
 
 @contextlib.contextmanager

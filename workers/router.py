@@ -1,10 +1,13 @@
-"""The router: an OpenAI-compatible completions API in front of the Redis data plane.
+"""The router: an OpenAI-compatible API in front of the Redis data plane.
 
-``POST /v1/completions`` validates the request, tokenises a text prompt, queues a
-``PrefillRequest`` on the prefill stream (admission-limited), then reads the
-request's token stream back (one blocking read for all requests in flight,
-``workers.token_fanout``) and answers — as server-sent events ending in
-``data: [DONE]`` with ``stream: true``, else as one JSON body — with ``usage``.
+``POST /v1/completions`` and ``POST /v1/chat/completions`` validate the request,
+tokenise a text prompt (chat: the messages rendered by the chat template,
+``workers.router_chat``), queue a ``PrefillRequest`` on the prefill stream per
+choice (``n`` of them, admission-limited), then read the token streams back (one
+blocking read for all requests in flight, ``workers.token_fanout``) and answer — as
+server-sent events ending in ``data: [DONE]`` with ``stream: true``, else as one
+JSON body — with ``usage``. Stop strings (``workers.router_stop``) end a choice and
+withdraw it from the workers.
 ``GET /v1/models``, ``/healthz`` (the process is up), ``/readyz`` (Redis answers
 and at least one prefill and one decode worker is live), ``/metrics``.
 

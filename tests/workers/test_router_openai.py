@@ -169,3 +169,13 @@ def test_the_tiny_model_answers_completions_and_chats_streaming_or_not(tiny: Sta
     )
     assert cut.choices[0].message.content == text[: text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [("tiny", "tiny"), ("/models/llama-3-8b", "llama-3-8b"), ("ckpt/", "ckpt"), ("a/b/c", "c")],
+)
+def test_the_served_name_defaults_to_what_model_was_given(model: str, name: str) -> None:
+    from cli.router_cmd import default_model_name
+
+    assert default_model_name(model) == name
