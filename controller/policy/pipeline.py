@@ -103,15 +103,24 @@ def decide(
     windows = pool_window(
         state.length_windows, observation.lengths, now_s=now_s, pool_s=lead.pool_s
     )
-    lengths, lengths_entry = choose_lengths(
-        pooled_lengths(windows, now_s=now_s), state.lengths
-    )
+    lengths, lengths_entry = choose_lengths(pooled_lengths(windows, now_s=now_s), state.lengths)
     this_tick = RateSample(time_s=now_s, rate_rps=raw_rate, estimate_rps=raw_rate, scv=seen_scv)
     pooled = pooled_scv((*state.rates, this_tick), now_s=now_s, pool_s=lead.pool_s)
     ca2_value = 1.0 if pooled is None else pooled
     model = models.get(lengths, profile, config)
+    # The shift, burst and overload tests share one threshold (Bonferroni over the
+    # history's ticks, ``leadtime.detection_z``).
+    detect_z = detection_z(DEFAULT_QUANTILE, max(1.0, lead.history_s / config.interval_s))
     behind = PerPool.build(
-        lambda pool: overloaded(pool, observation, model, state.pools[pool].predicted_p99_s)
+        lambda pool: overloaded(
+            pool,
+            observation,
+            model,
+            state.pools[pool].predicted_p99_s,
+            ca2=ca2_value,
+            window_s=config.window_s,
+            z=detect_z,
+        )
     )
 
     # The spread over the whole history: over a few windows it is too noisy an
@@ -125,7 +134,7 @@ def decide(
         config,
         ca2=ca2_value,
         spread_rps=spread or 0.0,
-        z=detection_z(DEFAULT_QUANTILE, max(1.0, lead.history_s / config.interval_s)),
+        z=detect_z,
     )
     reasons.append(entry)
     if lengths_entry is not None:

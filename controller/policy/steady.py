@@ -8,6 +8,8 @@ transient at all (``transient``: do not learn the model's bias from this window)
 
 from __future__ import annotations
 
+import math
+
 from controller.observation import Observation, usable
 from queueing.pools import Pool
 from queueing.solver import CapacityModel
@@ -18,11 +20,20 @@ def overloaded(
     observation: Observation,
     model: CapacityModel,
     predicted_p99_s: float | None,
+    *,
+    ca2: float = 1.0,
+    window_s: float | None = None,
+    z: float = 0.0,
 ) -> str | None:
     """Why the pool's serving workers are falling behind, or None.
 
-    - the measured rate at or beyond what the serving workers can process (the queue
-      grows without bound, which no stationary P99 describes);
+    - the measured rate beyond what the serving workers can process (the queue grows
+      without bound, which no stationary P99 describes), by more than the window's
+      counting noise: a renewal process of gap SCV ``ca2`` counts over ``window_s``
+      with a variance of about rate x window x ca2, so the rate must be beyond the
+      capacity even ``z`` standard deviations below what was measured (a bursty
+      window above the capacity by chance is ordinary traffic, not an overload; with
+      ``window_s`` None the measured rate itself is judged);
     - (prefill) a backlog: the queue at the end of the window would take the serving
       workers longer to clear than the whole predicted P99 TTFT (``predicted_p99_s``,
       the last tick's), which a stationary queue shows less than 1 % of the time.
@@ -31,8 +42,16 @@ def overloaded(
     rate = observation.arrival_rate_rps
     if seen.ready_replicas == 0 or rate is None or not usable(rate) or rate == 0:
         return None
-    if not model.of(pool).is_stable(workers=seen.ready_replicas, arrival_rate_rps=rate):
-        return f"{rate:.3g} req/s is beyond the capacity of {seen.ready_replicas} serving workers"
+    lower = rate
+    if window_s is not None and window_s > 0:
+        lower = rate - z * math.sqrt(rate * max(ca2, 1e-6) / window_s)
+    if lower > 0 and not model.of(pool).is_stable(
+        workers=seen.ready_replicas, arrival_rate_rps=lower
+    ):
+        return (
+            f"{rate:.3g} req/s (at least {lower:.3g} within the counting noise) is beyond "
+            f"the capacity of {seen.ready_replicas} serving workers"
+        )
     queue = observation.prefill_queue_depth
     if pool is Pool.PREFILL and usable(queue) and queue is not None and predicted_p99_s is not None:
         drain_s = queue * model.prefill.packed_service_s / seen.ready_replicas

@@ -407,13 +407,15 @@ class OraclePolicy:
         self.plan = plan
         self.interval_s = tick_s
         self.initial = plan[0].allocation
-        self._startup_s = scenario.worker_startup_s
+        # How far ahead of a window its workers are asked for: a start-up, so they
+        # serve from the window's start (a bound on reacting sets it to 0).
+        self.lead_s = scenario.worker_startup_s
         self._last = self.initial
 
     def wanted(self, now_s: float) -> Allocation:
         """Each pool at the largest allocation of the current window and of every
         window that must start its workers before the next tick to be served in time."""
-        horizon_s = now_s + self._startup_s + self.interval_s
+        horizon_s = now_s + self.lead_s + self.interval_s
         windows = [w for w in self.plan if w.end_s > now_s and w.start_s < horizon_s] or [
             self.plan[-1]
         ]

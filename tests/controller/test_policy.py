@@ -26,6 +26,7 @@ from controller.policy.forecast import RecordedArrivals
 from controller.policy.normalisation import cooldown, dead_band, rate_limit, safety, stabilise
 from controller.policy.smoothing import smooth
 from controller.policy.state import RateSample
+from controller.policy.steady import overloaded
 from controller.tick import run_tick
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
@@ -84,8 +85,9 @@ def observation(
 MODELS = CapacityModels()
 
 
-def decide(observation: Seen, state: ControllerState, config: ControllerConfig,
-           **kwargs: object) -> Decision:
+def decide(
+    observation: Seen, state: ControllerState, config: ControllerConfig, **kwargs: object
+) -> Decision:
     return decide_with(observation, state, config, models=MODELS, **kwargs)  # type: ignore[arg-type]
 
 
@@ -118,8 +120,11 @@ class RateSource:
     def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Seen:
         rate = self.rate_at(now_s)
         return observation(
-            now_s, rate, replicas[Pool.PREFILL].current_replicas,
-            replicas[Pool.DECODE].current_replicas, burst=rate,
+            now_s,
+            rate,
+            replicas[Pool.PREFILL].current_replicas,
+            replicas[Pool.DECODE].current_replicas,
+            burst=rate,
         )
 
 
@@ -138,9 +143,16 @@ def run(
     t = 0.0
     while t < hours * 3600:
         done = run_tick(
-            now_s=t, config=config, config_version="test", state=state, source=source,
-            actuator=actuator, load_profile=resolve_profile, models=MODELS,
-            history=arrivals, timer=lambda: 0.0,
+            now_s=t,
+            config=config,
+            config_version="test",
+            state=state,
+            source=source,
+            actuator=actuator,
+            load_profile=resolve_profile,
+            models=MODELS,
+            history=arrivals,
+            timer=lambda: 0.0,
         )
         assert done.record.decision is not None
         decisions.append(done.record.decision)
@@ -311,7 +323,11 @@ def worst_ratio(n: int, m: int, rate: float) -> float:
         LENGTHS, PROFILE, tpot_slo_s=0.1, link=KvLink(bytes_per_s=CONFIG.kv_link_gbps * 1e9 / 8)
     )
     ev = evaluate(
-        model, prefill_workers=n, decode_workers=m, arrival_rate_rps=rate, ca2=1.0,
+        model,
+        prefill_workers=n,
+        decode_workers=m,
+        arrival_rate_rps=rate,
+        ca2=1.0,
         slo=SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.1),
     )
     ttft = math.inf if ev.prefill.p99_s is None else ev.prefill.p99_s / 1.0
@@ -418,9 +434,7 @@ def test_calibration_learns_again_one_window_after_a_transient() -> None:
     assert any(r.reason is Reason.CALIBRATED and r.pool is Pool.PREFILL for r in d3.reasons)
 
 
-def test_a_forecast_raises_the_plan_to_the_solvers_answer_for_it_and_biases_nothing_else() -> (
-    None
-):
+def test_a_forecast_raises_the_plan_to_the_solvers_answer_for_it_and_biases_nothing_else() -> None:
     d0 = _steady()
     predicted = d0.state.pools.prefill.predicted_p99_s or math.nan
     obs = observation(30.0, 8.0, 2, 1, ttft=1.5 * predicted)
@@ -523,9 +537,7 @@ def test_an_infeasible_slo_plans_for_1_2_times_the_floor_whatever_the_headroom(
         n
         for n in range(1, 64)
         if model.prefill.is_stable(workers=n, arrival_rate_rps=rate)
-        and model.prefill.ttft_quantile_s(
-            workers=n, arrival_rate_rps=rate, ca2=1.0, quantile=0.99
-        )
+        and model.prefill.ttft_quantile_s(workers=n, arrival_rate_rps=rate, ca2=1.0, quantile=0.99)
         <= aim_s
     )
     assert recommended(d) is not None and recommended(d)[0] == fewest
@@ -666,9 +678,7 @@ def _scenarios() -> dict[Reason, Decision]:
     # the current raw rate needs: removing workers is unsafe at the current load.
     need = recommended(decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0)) or (1, 1)
     out[Reason.SCALE_DOWN_UNSAFE] = _unsafe_scale_down(need)
-    out[Reason.RATE_SHIFTED] = decide(
-        observation(30.0, 80.0, 2, 2), settled, CONFIG, now_s=30.0
-    )
+    out[Reason.RATE_SHIFTED] = decide(observation(30.0, 80.0, 2, 2), settled, CONFIG, now_s=30.0)
     out[Reason.LEAD_TIME_PLANNED] = out[Reason.RATE_SMOOTHED]
     # A scale-up to 3 decided at 0 s, all 3 ready at the 60-s tick.
     pending = ControllerState(
@@ -691,9 +701,7 @@ def _unsafe_scale_down(need: tuple[int, int]) -> Decision:
         for t, r in zip((-120.0, -90.0, -60.0, -30.0), (0.0, 400.0, 0.0, 400.0), strict=True)
     )
     low = ControllerState(smoothed_rate_rps=0.5, lengths=LENGTHS, rates=rates)
-    config = replace(
-        CONFIG, ema_weight=0.01, lead_time=replace(CONFIG.lead_time, enabled=False)
-    )
+    config = replace(CONFIG, ema_weight=0.01, lead_time=replace(CONFIG.lead_time, enabled=False))
     return decide(observation(0.0, 40.0, *need), low, config, now_s=0.0)
 
 
@@ -717,3 +725,26 @@ def test_with_an_infeasible_slo_oversized_pools_still_scale_down_to_the_relaxed_
     later = decide(observation(400.0, 2.0, 8, 8), first.state, config, now_s=400.0)
     assert later.target(Pool.PREFILL) < 8
     assert not any(r.reason is Reason.SCALE_DOWN_UNSAFE for r in later.reasons)
+
+
+def test_a_window_beyond_capacity_by_less_than_its_counting_noise_is_no_overload() -> None:
+    # Two prefill workers keep up while rate x E[packed service] < 2 (the model's
+    # stability bound), so their capacity is c = 2 / E[S]. A 30-s window of a renewal
+    # process with gap SCV 4 counts with a standard deviation of sqrt(rate x 30 x 4):
+    # a rate 2 % above c is well within z = 3.77 of it, one 2 z sd above is not.
+    model = CapacityModel.build(
+        LENGTHS, PROFILE, tpot_slo_s=0.1, link=KvLink(bytes_per_s=400e9 / 8)
+    )
+    capacity = 2 / model.prefill.packed_service_s
+    window_s, ca2, z = 30.0, 4.0, 3.77
+    noise = math.sqrt(capacity * ca2 / window_s)  # the rate's sd near the capacity
+    slightly = 1.02 * capacity
+    assert slightly - capacity < z * math.sqrt(slightly * ca2 / window_s)
+    judged = {"ca2": ca2, "window_s": window_s, "z": z}
+    seen = observation(0.0, slightly, 2, 2)
+    assert overloaded(Pool.PREFILL, seen, model, None, **judged) is None
+    # Judged on the measured rate alone (no window: no noise), it is beyond capacity.
+    assert overloaded(Pool.PREFILL, seen, model, None) is not None
+    clearly = capacity + 2 * z * noise
+    assert clearly - z * math.sqrt(clearly * ca2 / window_s) > capacity
+    assert overloaded(Pool.PREFILL, observation(0.0, clearly, 2, 2), model, None, **judged)
