@@ -123,11 +123,12 @@ def run_row(args: tuple[str, str, float, float, int, int]) -> Row:
         kv_link_bytes_per_s=LINK.bytes_per_s,
     )
     ttft, tpot, busy = [], [], []
-    # Measured: the arrivals between a warm-up and a cool-down as long as the decode
-    # pool takes to fill (sim.fidelity.transient_s); requests beyond the profile's
-    # context are rejected (no TTFT) and left out, as the model leaves them out.
+    # Measured: the arrivals between a warm-up as long as the decode pool takes to
+    # fill and a cool-down as long as it takes to drain (sim.fidelity.transient_s);
+    # requests beyond the profile's context are rejected (no TTFT) and left out, as
+    # the model leaves them out.
     transient = transient_s(model, lengths, decode_workers=m, rate=rate, ca2=ca2)
-    duration_s = requests / demand / 0.95 + 2.0 * transient
+    duration_s = requests / demand / 0.95 + transient.warmup_s + transient.cooldown_s
     start_s, end_s = steady_window(duration_s, transient)
     for replication in range(replications):
         seed = zlib.crc32(repr((mix, profile_name, ca2, u, replication)).encode())

@@ -16,15 +16,27 @@ Load enters through the other members of the batch:
   B = lambda_w * E[n] * (t0 + a * (B + 1)), with a = E[u] weighted by time in decode
   and lambda_w the decode arrival rate per worker — a fixed point that is linear in
   B, so it has a closed form, and none when lambda_w * E[n] * a >= 1 (unstable).
-* Fluctuation: with requests spread over workers as they pull work, the members of
-  a worker form an infinite-server population, Poisson in number (its variance is
-  scaled by 1 + (ca2 - 1) * kappa for non-Poisson arrivals, the heavy-traffic
-  infinite-server result of Whitt, "On the heavy-traffic limit theorem for GI/G/inf
-  queues", 1982, with kappa = E[min(S1, S2)] / E[S]). A request averages the batch
-  cost over its own life, which shrinks the variance by
+* Fluctuation: counted in its own iterations, a worker is an infinite-server queue
+  (every member gets one token per iteration), Poisson in number, its variance scaled
+  by 1 + (ca2 - 1) * kappa for non-Poisson arrivals (the heavy-traffic infinite-server
+  result of Whitt, "On the heavy-traffic limit theorem for GI/G/inf queues", 1982,
+  with kappa = E[min(S1, S2)] / E[S]). In seconds it is not: an iteration lasts
+  t0 + a * B, so a fuller pool serves every member more slowly, members stay longer
+  and the batch drifts further up — a generalised processor-sharing queue (Cohen,
+  1979) whose departure rate B / (E[n] (t0 + a B)) saturates. Its birth-death
+  stationary law is negative binomial, pi(B) ~ C(B + c, B) rho^B, c = t0 / a,
+  rho = lambda E[n] a: mean rho (c + 1) / (1 - rho) (the Little fixed point above)
+  and variance mean / (1 - rho), insensitive to the distribution of n. The feedback
+  acts through the pool's total (workers take arrivals at their iteration
+  boundaries, so in iteration time every worker sees the same arrival rate and the
+  workers' differences are Poisson): of a worker's variance, a share 1 - 1/M is
+  Poisson and 1/M is the pool-wide mode, amplified by 1 / (1 - rho), which also
+  stretches that mode's correlation time by 1 / (1 - rho) (a diffusion's variance
+  is its noise times its relaxation time; the noise is unchanged). A request
+  averages the batch cost over its own life, which shrinks the variance by
   g(x) = 2 (x - 1 + e^-x) / x^2, x = life / correlation time, as for a process with
   exponentially decaying autocorrelation whose correlation time is the infinite-server
-  mean residual sojourn E[S^2] / (2 E[S]).
+  mean residual sojourn E[S^2] / (2 E[S]) (the pool-wide mode: that over 1 - rho).
 
 Each request class then has a normal TPOT given its (prompt, output) lengths, and the
 P(TPOT > x) of the pool is the mixture over classes. Requests with a single output
@@ -68,7 +80,7 @@ class DecodeModel:
     fixed_var_s2: FloatArray  # within-class variance of the fixed part
     inv_steps: FloatArray  # mean of 1 / n per class
     inv_steps_sq: FloatArray  # mean of 1 / n^2 per class
-    averaging: FloatArray  # variance kept when a class averages the batch over its life
+    life_over_correlation: FloatArray  # a class's life over the batch's correlation time
     decode_fraction: float
     mean_steps: float
     mean_steps_sq: float
@@ -132,7 +144,7 @@ class DecodeModel:
             fixed_var_s2=strata.variances(fixed),
             inv_steps=strata.means(1.0 / n),
             inv_steps_sq=strata.means(1.0 / n**2),
-            averaging=_life_averaging(strata.means(n), n),
+            life_over_correlation=_life_over_correlation(strata.means(n), n),
             decode_fraction=float(decoding.mean()),
             mean_steps=float(n.mean()),
             mean_steps_sq=float((n * n).mean()),
@@ -148,6 +160,11 @@ class DecodeModel:
 
     def _per_worker_rate(self, workers: int, arrival_rate_rps: float) -> float:
         return arrival_rate_rps * self.decode_fraction / workers
+
+    def _rho(self, workers: int, arrival_rate_rps: float) -> float:
+        """rho = lambda_w E[n] a: the share of a worker's time spent on member costs."""
+        rate = self._per_worker_rate(workers, arrival_rate_rps)
+        return rate * self.mean_steps * self.member_cost_s
 
     def min_stable_workers(self, arrival_rate_rps: float) -> int:
         """The fewest workers whose per-token work fits in the iterations they run."""
@@ -169,23 +186,54 @@ class DecodeModel:
                 f"decode_workers: {workers} workers cannot keep up with "
                 f"{arrival_rate_rps:.4g} req/s (per-token work exceeds the iteration time)"
             )
-        mean_batch = demand * (self.t0_s + self.member_cost_s) / (1.0 - demand * self.member_cost_s)
+        rho = demand * self.member_cost_s
+        spread = self._spread(rho=rho, workers=workers, ca2=ca2)
+        # lambda E[n] = E[B / T(B)] (members' steps per second); to second order in the
+        # batch's variance spread * B this gives the mean batch below, which is the
+        # negative binomial's mean exactly at one worker with Poisson arrivals.
+        mean_batch = demand * self.t0_s / (1.0 - rho) + rho * spread
         z = float(special.ndtri(quantile))
-        spread = self._dispersion(ca2)
         batch_p99 = mean_batch + z * math.sqrt(mean_batch * spread)
         kv_p99 = mean_batch * self.reserved_blocks + z * math.sqrt(
             mean_batch * self.reserved_blocks_sq * spread
         )
         return DecodeLoad(
             mean_batch=mean_batch,
-            iteration_s=self.t0_s + self.member_cost_s * (mean_batch + 1.0),
+            # What a member's step lasts on average: Little's law, B / (lambda E[n]).
+            iteration_s=self.t0_s / (1.0 - rho) + self.member_cost_s * spread,
             batch_p99=batch_p99,
             kv_blocks_p99=kv_p99,
             kv_utilisation=mean_batch * self.reserved_blocks / self.kv_capacity_blocks,
         )
 
+    def relaxation_s(self, *, workers: int, arrival_rate_rps: float) -> float:
+        """Relaxation time of the pool-wide batch: the mean life E[n] (t0 + a (B + 1))
+        stretched by 1 / (1 - rho) (module docstring); a deviation from the steady
+        batch decays like e^(-t / this)."""
+        state = self.load(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=1.0, quantile=0.5)
+        rho = self._rho(workers, arrival_rate_rps)
+        return self.mean_steps * state.iteration_s / (1.0 - rho)
+
     def _dispersion(self, ca2: float) -> float:
         return max(1e-9, 1.0 + (ca2 - 1.0) * self.kappa)
+
+    def _spread(self, *, rho: float, workers: int, ca2: float) -> float:
+        """A worker's batch variance over its mean: the workers' differences, a share
+        1 - 1/M, Poisson; the pool-wide mode, a share 1/M, carrying the arrivals'
+        dispersion (Whitt's GI/G/inf factor) amplified by 1 / (1 - rho) (module
+        docstring)."""
+        return (1.0 - 1.0 / workers) + self._dispersion(ca2) / (workers * (1.0 - rho))
+
+    def _averaged_spread(self, *, rho: float, workers: int, ca2: float) -> FloatArray:
+        """Per class, what a request keeps of ``_spread`` when it averages the batch
+        cost over its life: the workers' own share at the infinite-server correlation
+        time, the pool-wide share at that time stretched by 1 / (1 - rho)."""
+        x = self.life_over_correlation
+        own: FloatArray = (1.0 - 1.0 / workers) * _averaging(x)
+        pooled: FloatArray = (
+            self._dispersion(ca2) / (workers * (1.0 - rho)) * _averaging(x * (1.0 - rho))
+        )
+        return own + pooled
 
     def _moments(
         self, *, workers: int, arrival_rate_rps: float, ca2: float
@@ -195,11 +243,14 @@ class DecodeModel:
         b = state.mean_batch
         t_iter = state.iteration_s
         busy = 1.0 - math.exp(-b)  # an idle worker takes a new member at once
-        mean = self.fixed_tpot_s + self.member_cost_s * b + 0.5 * t_iter * busy * self.inv_steps
-        var_inst = b * self.member_cost_sq_s2 * self._dispersion(ca2)
+        # The others' share of a member's step: the mean step less t0 and its own cost.
+        others_s = t_iter - self.t0_s - self.member_cost_s
+        mean = self.fixed_tpot_s + others_s + 0.5 * t_iter * busy * self.inv_steps
+        var_inst = b * self.member_cost_sq_s2
+        rho = self._rho(workers, arrival_rate_rps)
         var = (
             self.fixed_var_s2
-            + var_inst * self.averaging
+            + var_inst * self._averaged_spread(rho=rho, workers=workers, ca2=ca2)
             + (t_iter * busy) ** 2 / 12.0 * self.inv_steps_sq
         )
         return mean, np.sqrt(np.maximum(var, 1e-30))
@@ -231,16 +282,22 @@ class DecodeModel:
         return cached
 
 
-def _life_averaging(class_steps: FloatArray, steps: FloatArray) -> FloatArray:
-    """g(x) = 2 (x - 1 + e^-x) / x^2 with x = a class's life over the correlation time.
-
-    Both the life (n iterations) and the correlation time
-    (E[n^2] / (2 E[n]) iterations) scale with the iteration time, so x, and the
-    factor, do not depend on the load and are computed once.
-    """
+def _life_over_correlation(class_steps: FloatArray, steps: FloatArray) -> FloatArray:
+    """x = a class's life over the batch's correlation time (E[n^2] / (2 E[n])
+    iterations). Both scale with the iteration time, so x does not depend on the load
+    and is computed once."""
     correlation_steps = float((steps * steps).mean()) / (2.0 * float(steps.mean()))
-    x = np.maximum(class_steps / correlation_steps, 1e-9)
-    result: FloatArray = 2.0 * (x - 1.0 + np.exp(-x)) / (x * x)
+    result: FloatArray = np.maximum(class_steps / correlation_steps, 1e-9)
+    return result
+
+
+def _averaging(x: FloatArray) -> FloatArray:
+    """g(x) = 2 (x - 1 + e^-x) / x^2: the share of a stationary process's variance (with
+    exponentially decaying autocorrelation) that its mean over x correlation times keeps."""
+    safe = np.maximum(x, 1e-3)
+    exact = 2.0 * (safe + np.expm1(-safe)) / (safe * safe)
+    # Below 1e-3 the difference cancels; the series 1 - x/3 + x^2/12 is exact to 1e-12.
+    result: FloatArray = np.where(x < 1e-3, 1.0 - x / 3.0 + x * x / 12.0, exact)
     return result
 
 

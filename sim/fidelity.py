@@ -29,11 +29,15 @@ maximum when the family's tail reaches it):
 Warm-up and cool-down. The cluster starts empty and stops taking arrivals at the end
 of the run, and a decode pool fills over the life of its requests (tens of seconds
 for long outputs on a loaded pool, longer than a short run). Each replication
-therefore runs a *transient* (``transient_s``: the 95th percentile of a request's
-decode life at the predicted iteration time, and at least 5 % of the run) before and
-after the measured window of ``requests`` arrivals, and only the requests arriving
-inside the window are measured. Measuring from an empty start would put batches,
-and TPOT, below their steady state exactly where decode lives are long.
+therefore runs a warm-up before and a cool-down after the measured window of
+``requests`` arrivals (``transient_s``), and only the requests arriving inside the
+window are measured. The warm-up is the longer of a request's decode life (its 95th
+percentile at the predicted iteration time) and four relaxation times of the
+pool-wide batch, which a fuller pool's longer iterations stretch to 1 / (1 - rho)
+lives (``queueing.decode``); it is at least 5 % of the run. Measuring from an empty
+start would put batches, and TPOT, below their steady state exactly where decode
+lives are long and the pool is loaded (a 20-worker pool at rho = 0.77 measured one
+life after an empty start ran 20 % below its steady P99 TPOT).
 
 Pure apart from reading the bundled trace files; randomness only from the
 generator passed in.
@@ -243,21 +247,45 @@ def decode_workers_for(model: CapacityModel, rate: float, ca2: float, u: float) 
         m += 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class Transient:
+    """The warm-up before and the cool-down after the measured arrivals (seconds)."""
+
+    warmup_s: float
+    cooldown_s: float
+
+
+# Relaxation times of warm-up: from empty, the pool-wide batch deviation decays like
+# e^(-t / tau), so after 4 tau it is below 2 % of the steady batch.
+WARMUP_RELAXATIONS = 4.0
+
+
 def transient_s(
     model: CapacityModel, samples: LengthSamples, *, decode_workers: int, rate: float, ca2: float
-) -> float:
-    """How long the decode pool takes to fill from empty (and to drain at the end): the
-    95th percentile of a request's decode life, (output - 1) iterations at the
-    predicted mean iteration time of ``decode_workers`` workers."""
+) -> Transient:
+    """How long the decode pool takes to fill from empty, and to drain at the end.
+
+    Filling: a full decode life (its 95th percentile, (output - 1) iterations at the
+    predicted mean iteration time) and ``WARMUP_RELAXATIONS`` relaxation times of the
+    pool-wide batch (``DecodeModel.relaxation_s``: a fuller pool runs longer
+    iterations, so the batch approaches its steady state 1 / (1 - rho) times slower
+    than a life). Draining: the 99th percentile of a life, so that the measured
+    requests finish before the arrivals stop.
+    """
     state = model.decode.load(workers=decode_workers, arrival_rate_rps=rate, ca2=ca2, quantile=0.5)
     steps = np.maximum(samples.output_tokens.astype(np.float64) - 1.0, 0.0)
-    return float(np.quantile(steps, 0.95)) * state.iteration_s
+    relax = model.decode.relaxation_s(workers=decode_workers, arrival_rate_rps=rate)
+    life_s = float(np.quantile(steps, 0.95)) * state.iteration_s
+    return Transient(
+        warmup_s=max(life_s, WARMUP_RELAXATIONS * relax),
+        cooldown_s=float(np.quantile(steps, 0.99)) * state.iteration_s,
+    )
 
 
-def steady_window(duration_s: float, transient: float) -> tuple[float, float]:
-    """The arrivals measured: after the warm-up (the transient, at least 5 % of the
-    run) and before the cool-down (the transient)."""
-    return max(0.05 * duration_s, transient), duration_s - transient
+def steady_window(duration_s: float, transient: Transient) -> tuple[float, float]:
+    """The arrivals measured: after the warm-up (at least 5 % of the run) and before
+    the cool-down."""
+    return max(0.05 * duration_s, transient.warmup_s), duration_s - transient.cooldown_s
 
 
 def _simulate(
@@ -270,7 +298,7 @@ def _simulate(
     rate: float,
     requests: int,
     replications: int,
-    transient: float,
+    transient: Transient,
 ) -> tuple[list[float], list[float]]:
     config = ClusterConfig(
         prefill_workers=prefill_workers,
@@ -281,7 +309,7 @@ def _simulate(
     )
     ttft, tpot = [], []
     window_s = requests / rate
-    duration_s = window_s / 0.95 + 2.0 * transient
+    duration_s = window_s / 0.95 + transient.warmup_s + transient.cooldown_s
     start_s, end_s = steady_window(duration_s, transient)
     for replication in range(replications):
         rng = np.random.default_rng([case.seed, replication])
