@@ -16,9 +16,10 @@ it serves. A worker stops on SIGTERM after draining (finishes what it holds,
 deregisters), exit 0.
 
 ``--metrics-flavor vllm|sglang`` adds, beside its ``sara_worker_*`` metrics, that
-engine's metric families fed by the same measurements (``workers.engine_metrics``),
-labelled with ``--served-model-name`` (default: the model folder's name), so that the
-controller's ``vllm`` and ``sglang`` flavours can be run against SARA's own pools.
+engine's metric families (``vllm,sglang``: both) fed by the same measurements
+(``workers.engine_metrics``), labelled with ``--served-model-name`` (default: the
+model folder's name), so that the controller's ``vllm`` and ``sglang`` flavours can be
+run against SARA's own pools.
 """
 
 from __future__ import annotations
@@ -193,8 +194,8 @@ def _worker_metrics(args: argparse.Namespace, pool: Pool, model_dir: Path) -> An
     from workers.engine_metrics import EngineIdentity
     from workers.worker_metrics import WorkerMetrics
 
-    flavor = MetricsFlavor(args.metrics_flavor)
-    if flavor is MetricsFlavor.SARA:
+    flavors = tuple(MetricsFlavor(f) for f in args.metrics_flavor)
+    if set(flavors) == {MetricsFlavor.SARA}:
         return WorkerMetrics(pool)
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -207,7 +208,17 @@ def _worker_metrics(args: argparse.Namespace, pool: Pool, model_dir: Path) -> An
     except ValueError as exc:
         option = "served-model-name" if str(exc).startswith("model_name") else "model"
         raise UsageError(f"--{option}: {exc}") from exc
-    return WorkerMetrics(pool, flavor=flavor, identity=identity)
+    return WorkerMetrics(pool, flavors=flavors, identity=identity)
+
+
+def _flavors(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    wrong = [name for name in names if name not in ("sara", "vllm", "sglang")]
+    if not names or wrong:
+        raise argparse.ArgumentTypeError(
+            f"expected sara, vllm or sglang (comma-separated), got {text!r}"
+        )
+    return names
 
 
 def _torch_engine(args: argparse.Namespace, model_dir: Path, settings: Any) -> Any:
@@ -322,9 +333,11 @@ def register(sub: Any) -> None:
     p.add_argument("--metrics-listen", default="127.0.0.1:0", metavar="HOST:PORT")
     p.add_argument(
         "--metrics-flavor",
-        choices=("sara", "vllm", "sglang"),
-        default="sara",
-        help="also export that engine's metrics from the same measurements (default: sara only)",
+        type=_flavors,
+        default=("sara",),
+        metavar="sara|vllm|sglang[,...]",
+        help="also export these engines' metrics from the same measurements (default: sara "
+        "only; several, comma-separated, to compare the controller's flavours on one stack)",
     )
     p.add_argument(
         "--served-model-name",

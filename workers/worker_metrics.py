@@ -29,7 +29,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from controller.config import MetricsFlavor
 from queueing.pools import Pool
-from workers.engine_metrics import EndedRequest, EngineIdentity, RequestEnd, engine_exposition
+from workers.engine_metrics import (
+    EndedRequest,
+    EngineExposition,
+    EngineIdentity,
+    RequestEnd,
+    engine_exposition,
+)
 
 ITERATION_BUCKETS_S = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
@@ -67,8 +73,10 @@ class TransferDirection(enum.Enum):
 class WorkerMetrics:
     """The metrics of one worker of ``pool``; ``exposition()`` is the ``/metrics`` body.
 
-    ``flavor`` adds that engine's families (``identity`` names the model and its
-    context for them; required unless ``flavor`` is ``sara``).
+    ``flavors`` adds those engines' families (``identity`` names the model and its
+    context for them; required unless only ``sara`` is asked for). Several engines at
+    once serve one purpose: comparing the controller's flavours on the same traffic;
+    each flavour's queries read only its own engine's names.
     """
 
     def __init__(
@@ -76,18 +84,24 @@ class WorkerMetrics:
         pool: Pool,
         registry: CollectorRegistry | None = None,
         *,
-        flavor: MetricsFlavor = MetricsFlavor.SARA,
+        flavors: Sequence[MetricsFlavor] = (MetricsFlavor.SARA,),
         identity: EngineIdentity | None = None,
     ) -> None:
         self.pool = pool
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        if flavor is not MetricsFlavor.SARA and identity is None:
-            raise ValueError(f"identity: the {flavor.value} flavour names the model it serves")
+        engines = [f for f in dict.fromkeys(flavors) if f is not MetricsFlavor.SARA]
+        if engines and identity is None:
+            raise ValueError(f"identity: the {engines[0].value} flavour names the model it serves")
         if identity is not None and identity.pool is not pool:
             raise ValueError(f"identity: pool {identity.pool.value} is not this worker's")
-        self.flavor = flavor
-        self.engine = None if identity is None else engine_exposition(flavor, identity, r)
+        self.flavors = tuple(dict.fromkeys(flavors))
+        self.engines: list[EngineExposition] = []
+        for flavor in engines:
+            assert identity is not None
+            exposition = engine_exposition(flavor, identity, r)
+            if exposition is not None:
+                self.engines.append(exposition)
         self.iteration_s = Histogram(
             "sara_worker_iteration_seconds",
             "Wall time of one engine step (forward pass and sampling).",
@@ -150,36 +164,39 @@ class WorkerMetrics:
         a decode worker), ``stopped`` on EOS, ``e2e_s`` since its arrival at the router,
         ``tpot_s`` its mean gap between tokens where this worker timed them."""
         self._requests.labels(self.pool.value, outcome.value).inc()
-        if self.engine is not None:
-            end = _ENDS[outcome]
-            if stopped and outcome is WorkerOutcome.FINISHED:
-                end = RequestEnd.STOP
-            self.engine.ended(
-                EndedRequest(
-                    end=end,
-                    prompt_tokens=prompt_tokens,
-                    output_tokens=output_tokens,
-                    e2e_s=None if e2e_s is None else max(0.0, e2e_s),
-                    tpot_s=None if tpot_s is None else max(0.0, tpot_s),
-                )
-            )
+        if not self.engines:
+            return
+        end = _ENDS[outcome]
+        if stopped and outcome is WorkerOutcome.FINISHED:
+            end = RequestEnd.STOP
+        # Wall-clock differences across machines can come out a little negative.
+        request = EndedRequest(
+            end=end,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            e2e_s=None if e2e_s is None else max(0.0, e2e_s),
+            tpot_s=None if tpot_s is None else max(0.0, tpot_s),
+        )
+        for engine in self.engines:
+            engine.ended(request)
 
     def first_token(self, ttft_s: float) -> None:
         """This worker's first token of a request, ``ttft_s`` after it arrived here."""
-        if self.engine is not None:
-            self.engine.first_token(max(0.0, ttft_s))
+        for engine in self.engines:
+            engine.first_token(max(0.0, ttft_s))
 
     def token_gaps(self, gaps_s: Sequence[float]) -> None:
         """The gap before each token this worker generated."""
-        if self.engine is not None:
-            self.engine.token_gaps([max(0.0, g) for g in gaps_s])
+        gaps = [max(0.0, g) for g in gaps_s]
+        for engine in self.engines:
+            engine.token_gaps(gaps)
 
     def stepped(self, *, elapsed_s: float, batch_tokens: int) -> None:
         """One engine step that ran a plan."""
         self.iteration_s.observe(elapsed_s)
         self.batch_tokens.observe(batch_tokens)
-        if self.engine is not None:
-            self.engine.stepped(batch_tokens)
+        for engine in self.engines:
+            engine.stepped(batch_tokens)
 
     def gauges(
         self, *, queue_depth: int, kv_utilization: float, waiting: int, running: int
@@ -188,8 +205,8 @@ class WorkerMetrics:
         by its engine and ``running`` in its batch; the KV fraction in use."""
         self.queue_depth.set(queue_depth)
         self.kv_utilization.set(kv_utilization)
-        if self.engine is not None:
-            self.engine.gauges(waiting=waiting, running=running, kv_usage=kv_utilization)
+        for engine in self.engines:
+            engine.gauges(waiting=waiting, running=running, kv_usage=kv_utilization)
 
     def transferred(
         self, *, transport: str, direction: TransferDirection, nbytes: int, duration_s: float

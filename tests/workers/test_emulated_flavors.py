@@ -122,7 +122,7 @@ def worker(pool: Pool, url: str, flavor: MetricsFlavor) -> tuple[Worker, WorkerH
         key_prefix=PREFIX, idle_block_ms=20, keepalive_interval_s=0.1, reclaim_interval_s=0.1,
     )  # fmt: skip
     identity = EngineIdentity(model_name=MODEL_NAME, max_model_len=CONTEXT, pool=pool)
-    metrics = WorkerMetrics(pool, flavor=flavor, identity=identity)
+    metrics = WorkerMetrics(pool, flavors=(flavor,), identity=identity)
     client = connect(url)
     cls: Any = PrefillWorker if pool is Pool.PREFILL else DecodeWorker
     engine = EmulatedEngine(
@@ -273,10 +273,10 @@ def test_the_gauges_read_an_idle_engine_after_the_requests(scraped: Scraped) -> 
 def test_a_worker_refuses_the_custom_flavour_and_an_engine_flavour_without_a_model() -> None:
     identity = EngineIdentity(model_name=MODEL_NAME, max_model_len=CONTEXT, pool=Pool.PREFILL)
     with pytest.raises(ValueError, match="metrics_flavor"):
-        WorkerMetrics(Pool.PREFILL, flavor=MetricsFlavor.CUSTOM, identity=identity)
+        WorkerMetrics(Pool.PREFILL, flavors=(MetricsFlavor.CUSTOM,), identity=identity)
     with pytest.raises(ValueError, match="identity"):
-        WorkerMetrics(Pool.PREFILL, flavor=MetricsFlavor.VLLM)
+        WorkerMetrics(Pool.PREFILL, flavors=(MetricsFlavor.VLLM,))
     with pytest.raises(ValueError, match="identity: pool"):
-        WorkerMetrics(Pool.DECODE, flavor=MetricsFlavor.VLLM, identity=identity)
+        WorkerMetrics(Pool.DECODE, flavors=(MetricsFlavor.VLLM,), identity=identity)
     with pytest.raises(ValueError, match="max_model_len"):
         EngineIdentity(model_name=MODEL_NAME, max_model_len=0, pool=Pool.DECODE)

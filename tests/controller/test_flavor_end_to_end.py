@@ -1,0 +1,269 @@
+"""The vLLM and SGLang flavours end to end: emulated pools that export them, a real Prometheus.
+
+`sara router` and one emulated prefill and one decode worker (`sara worker --engine
+emulated --metrics-flavor vllm,sglang`: beside their own `sara_worker_*` metrics they
+export vLLM 0.12's and SGLang's families, from the same measurements) serve Poisson
+traffic from the load generator; a real Prometheus scrapes them every second, putting
+the `pool` label on each worker's series as a PodMonitor's relabelling would. The
+controller's observation is then read from that one Prometheus with each flavour,
+whose queries read only its own engine's names, and the policy decides on each:
+
+- every observation field is populated by every flavour;
+- the engine flavours decide the pool sizes the `sara` flavour decides, within the
+  window's counting noise: the targets the `sara` flavour decides with its rate and
+  its ca² moved to either end of their 99.7 % intervals (N arrivals in the window:
+  N ± 3·√N; the ca², a dispersion index of per-second counts: a χ² interval) bound
+  the others'. The engine flavours count the same requests at the prefill worker as
+  they complete (a TTFT later), in the engines' coarser buckets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from scipy import stats
+
+pytest.importorskip("torch")
+
+from cli.loadgen import PlannedRequest, RequestResult, ResultStatus, run_load
+from controller.config import ControllerConfig, MetricsConfig, MetricsFlavor, SloConfig
+from controller.observation import Observation, PoolObservation
+from controller.policy import CapacityModels, ControllerState, decide
+from controller.sources import PrometheusSource
+from queueing.pools import Pool
+from tests.controller.test_sources_prometheus import PROMETHEUS, wait_until
+from tests.workers.test_reliability import cli
+from workers.checkpoint import write_tiny_checkpoint
+from workers.redis_util import RedisServer, free_port
+
+PROFILE = "llama-2-70b-tp4@a100-80g"  # slow steps: the emulation's overheads are small
+RATE_RPS = 3.0
+LOAD_S = 21.0
+WINDOW_S = 16.0
+OBSERVE_AT_S = 20.0  # into the load: the window is full and the traffic still steady
+SCV_STEP_S = 1.0  # the scrape interval: the most sub-windows for the ca² estimate
+PROMPT_TOKENS = (50, 800)  # uniform, inclusive
+OUTPUT_TOKENS = (8, 40)
+Z = 3.0  # the intervals' half-width in standard deviations (two-sided 99.73 %)
+# A P99 TTFT SLO near the one prefill worker's P99 at this rate: the policy asks for
+# more prefill workers than run, so the comparison is not between two floors.
+SLO_TTFT_P99_S = 1.0
+REPLICAS = {pool: PoolObservation(current_replicas=1, ready_replicas=1) for pool in Pool}
+FLAVORS = (MetricsFlavor.SARA, MetricsFlavor.VLLM, MetricsFlavor.SGLANG)
+
+
+@dataclass
+class Observed:
+    observations: dict[MetricsFlavor, Observation]
+    results: list[RequestResult]
+
+
+def plan(rng: np.random.Generator) -> list[PlannedRequest]:
+    """Poisson arrivals at RATE_RPS for LOAD_S, lengths uniform on their ranges."""
+    gaps = rng.exponential(1.0 / RATE_RPS, size=int(RATE_RPS * LOAD_S * 2))
+    arrivals = np.cumsum(gaps)
+    arrivals = arrivals[arrivals < LOAD_S]
+    return [
+        PlannedRequest(
+            index=i,
+            send_at_s=float(at),
+            prompt_token_ids=tuple(
+                rng.integers(
+                    3, 500, int(rng.integers(PROMPT_TOKENS[0], PROMPT_TOKENS[1] + 1))
+                ).tolist()
+            ),
+            max_tokens=int(rng.integers(OUTPUT_TOKENS[0], OUTPUT_TOKENS[1] + 1)),
+        )
+        for i, at in enumerate(arrivals)
+    ]
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def observe(url: str, flavor: MetricsFlavor) -> Observation:
+    with PrometheusSource(
+        url,
+        window_s=WINDOW_S,
+        burst_window_s=3.0,
+        scv_step_s=SCV_STEP_S,
+        selector='job="flavors"',
+        metrics=MetricsConfig(flavor=flavor),
+    ) as source:
+        observation = source.observe(now_s=100.0, replicas=REPLICAS)
+        assert source.failing == {}, (flavor, source.failing)
+    return observation
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+    if not Path(PROMETHEUS).exists():
+        pytest.skip("the prometheus binary is not installed (CI installs the Debian package)")
+    work = tmp_path_factory.mktemp("flavors-e2e")
+    model_dir = write_tiny_checkpoint(work / "tiny", seed=0)  # config.json and tokenizer
+    server = RedisServer.start()
+    router_port = free_port()
+    ports = {pool: free_port() for pool in Pool}
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, argv: list[str]) -> None:
+        log = (work / f"{name}.log").open("wb")
+        processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+
+    start("router", cli(
+        "router", "--redis", server.url, "--model", str(model_dir),
+        "--listen", f"127.0.0.1:{router_port}", "--request-timeout-s", "60",
+    ))  # fmt: skip
+    for pool in Pool:
+        start(pool.value, cli(
+            "worker", pool.value, "--engine", "emulated", "--profile", PROFILE,
+            "--startup-s", "0", "--redis", server.url, "--model", str(model_dir),
+            "--metrics-listen", f"127.0.0.1:{ports[pool]}", "--metrics-flavor", "vllm,sglang",
+            "--served-model-name", "llama-2-70b",
+        ))  # fmt: skip
+    targets = "".join(
+        f"      - targets: ['127.0.0.1:{ports[pool]}']\n        labels: {{pool: {pool.value}}}\n"
+        for pool in Pool
+    )
+    (work / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
+        "  - job_name: flavors\n    honor_labels: true\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{router_port}']\n" + targets
+    )
+    prom_port = free_port()
+    start("prometheus", [
+        PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
+        f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
+    ])  # fmt: skip
+    prom = f"http://127.0.0.1:{prom_port}"
+    router = f"http://127.0.0.1:{router_port}"
+    results: list[RequestResult] = []
+    load: threading.Thread | None = None
+    try:
+        for name, url in [("router", router)] + [
+            (pool.value, f"http://127.0.0.1:{ports[pool]}") for pool in Pool
+        ]:
+            wait_until(
+                lambda url=url: httpx.get(f"{url}/readyz", timeout=1).status_code == 200,
+                timeout_s=60,
+                what=f"{name} ready ({work / name}.log)",
+            )
+
+        def all_up() -> bool:
+            reply = httpx.get(f"{prom}/api/v1/query", params={"query": "sum(up)"}, timeout=2)
+            result = reply.json()["data"]["result"]
+            return bool(result) and float(result[0]["value"][1]) == 3
+
+        wait_until(all_up, timeout_s=30, what="Prometheus scraping the router and both workers")
+        requests = plan(np.random.default_rng(2024))
+        load = threading.Thread(
+            target=lambda: results.extend(asyncio.run(run_load(router, requests))), daemon=True
+        )
+        started = time.monotonic()
+        load.start()
+        time.sleep(max(0.0, OBSERVE_AT_S - (time.monotonic() - started)))
+        observations = {flavor: observe(prom, flavor) for flavor in FLAVORS}
+        load.join(timeout=LOAD_S + 60)
+        yield Observed(observations=observations, results=results)
+    finally:
+        for process in reversed(processes):
+            _stop(process)
+        server.stop()
+
+
+def test_the_load_was_served(observed: Observed) -> None:
+    # The pools keep up: the engines count completions, equal to arrivals only then.
+    assert observed.results, "the load generator sent nothing"
+    failed = [r for r in observed.results if r.status is not ResultStatus.OK]
+    assert not failed, failed[:3]
+
+
+@pytest.mark.parametrize("flavor", FLAVORS, ids=lambda f: f.value)
+def test_every_observation_field_is_populated(observed: Observed, flavor: MetricsFlavor) -> None:
+    o = observed.observations[flavor]
+    for name in (
+        "arrival_rate_rps",
+        "burst_arrival_rate_rps",
+        "interarrival_scv",
+        "ttft_p99_s",
+        "tpot_p99_s",
+        "prefill_queue_depth",
+        "kv_usage_fraction",
+        "lengths",
+    ):
+        value = getattr(o, name)
+        assert value is not None, f"{flavor.value}: {name} is missing"
+        if isinstance(value, float):
+            assert math.isfinite(value) and value >= 0, (name, value)
+    assert o.arrival_rate_rps is not None and o.arrival_rate_rps > 0
+    assert o.ttft_p99_s is not None and o.ttft_p99_s > 0
+    assert o.tpot_p99_s is not None and o.tpot_p99_s > 0
+    # A gauge read at one instant: 0 when the decode worker happens to hold nothing.
+    assert o.kv_usage_fraction is not None and 0 <= o.kv_usage_fraction <= 1
+
+
+def targets(observation: Observation, config: ControllerConfig) -> tuple[int, int]:
+    decision = decide(observation, ControllerState(), config, now_s=100.0, models=CapacityModels())
+    return decision.pools[Pool.PREFILL].target, decision.pools[Pool.DECODE].target
+
+
+def moved(observation: Observation, *, rate_factor: float, scv_factor: float) -> Observation:
+    assert observation.arrival_rate_rps is not None and observation.interarrival_scv is not None
+    burst = observation.burst_arrival_rate_rps
+    return dataclasses.replace(
+        observation,
+        arrival_rate_rps=observation.arrival_rate_rps * rate_factor,
+        burst_arrival_rate_rps=None if burst is None else burst * rate_factor,
+        interarrival_scv=observation.interarrival_scv * scv_factor,
+    )
+
+
+def test_the_engine_flavours_decide_what_the_sara_flavour_decides_within_the_noise(
+    observed: Observed,
+) -> None:
+    config = ControllerConfig(profile=PROFILE, slo=SloConfig(ttft_p99_s=SLO_TTFT_P99_S))
+    sara = observed.observations[MetricsFlavor.SARA]
+    assert sara.arrival_rate_rps is not None
+    # The rate counts N arrivals in the window: Poisson, relative s.d. 1/sqrt(N). The
+    # ca² is the dispersion index of k per-second counts: for Poisson arrivals
+    # chi²(k-1)/(k-1) times the true value, whose interval the estimate gives.
+    arrivals = sara.arrival_rate_rps * WINDOW_S
+    rate_half = Z * math.sqrt(arrivals) / arrivals
+    dof = int(WINDOW_S / SCV_STEP_S) - 2  # k intervals between the window's samples, less 1
+    tail = stats.norm.sf(Z)
+    scv_low = dof / stats.chi2.ppf(1 - tail, dof)
+    scv_high = dof / stats.chi2.ppf(tail, dof)
+    low = targets(moved(sara, rate_factor=1 - rate_half, scv_factor=scv_low), config)
+    high = targets(moved(sara, rate_factor=1 + rate_half, scv_factor=scv_high), config)
+    decided = {flavor: targets(observed.observations[flavor], config) for flavor in FLAVORS}
+    print(f"targets {decided}; sara over the window's noise: {low}..{high}")  # -s shows it
+    for flavor in (MetricsFlavor.VLLM, MetricsFlavor.SGLANG):
+        for i, pool in enumerate(Pool):
+            assert low[i] <= decided[flavor][i] <= high[i], (
+                f"{flavor.value} decides {decided[flavor][i]} {pool.value} workers; the sara "
+                f"flavour {decided[MetricsFlavor.SARA][i]} ({low[i]}..{high[i]} over its rate "
+                f"±{rate_half:.0%} and its ca² x{scv_low:.2f}..x{scv_high:.2f}); "
+                f"observations {observed.observations}"
+            )
+    # The policy asks for more prefill workers than run: not two floors compared.
+    assert decided[MetricsFlavor.SARA][0] > REPLICAS[Pool.PREFILL].current_replicas or (
+        high[0] > low[0]
+    ), (decided, low, high)
