@@ -254,7 +254,16 @@ def test_the_engine_flavours_decide_what_the_sara_flavour_decides_within_the_noi
     low = targets(moved(sara, rate_factor=1 - rate_half, scv_factor=scv_low), config)
     high = targets(moved(sara, rate_factor=1 + rate_half, scv_factor=scv_high), config)
     decided = {flavor: targets(observed.observations[flavor], config) for flavor in FLAVORS}
-    print(f"targets {decided}; sara over the window's noise: {low}..{high}")  # -s shows it
+    for flavor, o in observed.observations.items():  # pytest -s shows them
+        assert o.lengths is not None
+        print(
+            f"{flavor.value:7s} rate {o.arrival_rate_rps:.2f} ca2 {o.interarrival_scv:.2f} "
+            f"TTFT p99 {o.ttft_p99_s:.3f} TPOT p99 {o.tpot_p99_s:.4f} "
+            f"queue {o.prefill_queue_depth:.0f} KV {o.kv_usage_fraction:.4f} "
+            f"prompt mean {o.lengths.prompt_tokens.mean():.0f} "
+            f"output mean {o.lengths.output_tokens.mean():.1f} -> {decided[flavor]}"
+        )
+    print(f"sara over the window's noise: {low}..{high}")
     for flavor in (MetricsFlavor.VLLM, MetricsFlavor.SGLANG):
         for i, pool in enumerate(Pool):
             assert low[i] <= decided[flavor][i] <= high[i], (
