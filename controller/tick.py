@@ -103,7 +103,9 @@ def run_tick(
     except (OSError, ProfileError) as exc:
         return failed(f"profile: {exc}")
     observation = source.observe(now_s=now_s, replicas=replicas)
-    history.note(observation, window_s=config.window_s)
+    history.note(
+        observation, window_s=config.window_s, burst_window_s=config.burst_window_s
+    )
     forecast = forecast_rate_rps(history, now_s=now_s, config=forecast_config(config, state))
     started = timer()
     decision = decide(

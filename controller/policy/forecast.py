@@ -43,8 +43,9 @@ class ArrivalHistory(Protocol):
         """The earliest time the history covers."""
         ...
 
-    def note(self, observation: Observation, *, window_s: float) -> None:
-        """Record what a tick measured (a history that knows every arrival ignores it)."""
+    def note(self, observation: Observation, *, window_s: float, burst_window_s: float) -> None:
+        """Record what a tick measured over ``window_s`` and, at its end, over the short
+        ``burst_window_s`` (a history that knows every arrival ignores it)."""
         ...
 
     def counts_in_bins(self, edges_s: FloatArray) -> FloatArray | None:
@@ -178,11 +179,32 @@ class RecordedArrivals:
     def since_s(self) -> float:
         return self._windows[0].start_s if self._windows else math.inf
 
-    def note(self, observation: Observation, *, window_s: float) -> None:
+    def note(self, observation: Observation, *, window_s: float, burst_window_s: float) -> None:
+        """Record the tick's window, its last ``burst_window_s`` at the short window's rate.
+
+        A window's rate is its mean: recorded as the rate of the seconds just before
+        the tick, it describes the middle of the window instead, so on a rising rate
+        the record — and the trend read from it — lags by half a window (13 s behind
+        with a 30-s window and 4-s ticks), where a history of the arrivals
+        themselves does not. The short window at the end says what the latest
+        seconds held; the rest of the window holds what is left of its count:
+        ``(rate x window - burst x burst window) / (window - burst window)``,
+        an exact split of the window's arrivals, not an estimate fed back on itself.
+        """
         rate = observation.arrival_rate_rps
         if rate is None or not usable(rate):
             return
-        self.record(end_s=observation.time_s, window_s=window_s, rate_rps=float(rate))
+        end_s, rate = observation.time_s, float(rate)
+        burst = observation.burst_arrival_rate_rps
+        if burst is None or not usable(burst) or not 0 < burst_window_s < window_s:
+            self.record(end_s=end_s, window_s=window_s, rate_rps=rate)
+            return
+        burst = float(burst)
+        earlier = max(rate * window_s - burst * burst_window_s, 0.0) / (window_s - burst_window_s)
+        self.record(
+            end_s=end_s - burst_window_s, window_s=window_s - burst_window_s, rate_rps=earlier
+        )
+        self.record(end_s=end_s, window_s=burst_window_s, rate_rps=burst)
 
     def seed(self, points: Iterable[tuple[float, float]], *, window_s: float) -> int:
         """Record past (end of window, req/s) measurements in time order — a metrics

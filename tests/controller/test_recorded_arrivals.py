@@ -1,0 +1,91 @@
+"""The live controller's record of arrivals describes when they came, as the simulator's does.
+
+A tick measures the rate over its window and over the short burst window at the end.
+On a linear ramp λ(t) = a + b·t every window mean has a closed form, so the record
+can be checked against the integral of λ, and the trend forecast read from it against
+λ at the horizon: the record must not lag the ramp by half a window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.config import ForecastConfig
+from controller.observation import Observation, PoolObservation
+from controller.policy.forecast import RecordedArrivals, forecast_rate_rps
+
+A_RPS, B_RPS_PER_S = 1.0, 0.05  # a ramp: 1 req/s rising by 3 req/s a minute
+WINDOW_S, BURST_S, TICK_S = 30.0, 4.0, 4.0
+
+
+def rate_at(t_s: float) -> float:
+    return A_RPS + B_RPS_PER_S * t_s
+
+
+def mean_rate(start_s: float, end_s: float) -> float:
+    """The exact mean of the ramp over [start, end): its value at the midpoint."""
+    return rate_at(0.5 * (start_s + end_s))
+
+
+def observation(now_s: float, *, burst: bool = True) -> Observation:
+    pool = PoolObservation(current_replicas=1, ready_replicas=1)
+    return Observation(
+        time_s=now_s,
+        prefill=pool,
+        decode=pool,
+        arrival_rate_rps=mean_rate(now_s - WINDOW_S, now_s),
+        burst_arrival_rate_rps=mean_rate(now_s - BURST_S, now_s) if burst else None,
+    )
+
+
+def recorded(until_s: float, *, burst: bool = True, tick_s: float = TICK_S) -> RecordedArrivals:
+    record = RecordedArrivals(keep_s=3600.0)
+    for now_s in np.arange(until_s, WINDOW_S - 1e-9, -tick_s)[::-1]:  # the last at until_s
+        record.note(observation(float(now_s), burst=burst), window_s=WINDOW_S,
+                    burst_window_s=BURST_S)  # fmt: skip
+    return record
+
+
+def test_each_tick_interval_holds_the_arrivals_the_ramp_sent_in_it() -> None:
+    record = recorded(300.0)
+    for end_s in np.arange(100.0, 300.0 + 1e-9, TICK_S):
+        count = record.count_between(end_s - TICK_S, end_s)
+        assert count == pytest.approx(mean_rate(end_s - TICK_S, end_s) * TICK_S, rel=1e-9)
+
+
+def test_ticks_longer_than_the_burst_window_keep_each_window_count_whole() -> None:
+    # Ticks every 8 s: the last 4 s at the burst rate, the 4 s before from what is
+    # left of the window's count — the window's own span over those 8 s is exact.
+    tick_s = 8.0
+    record = recorded(300.0, tick_s=tick_s)
+    end_s = 300.0
+    last = record.count_between(end_s - BURST_S, end_s)
+    assert last == pytest.approx(mean_rate(end_s - BURST_S, end_s) * BURST_S, rel=1e-9)
+    earlier_rate = mean_rate(end_s - WINDOW_S, end_s - BURST_S)  # the rest of the window
+    before = record.count_between(end_s - tick_s, end_s - BURST_S)
+    assert before == pytest.approx(earlier_rate * (tick_s - BURST_S), rel=1e-9)
+
+
+def test_without_a_burst_measurement_the_window_rate_stands_for_the_latest_seconds() -> None:
+    record = recorded(300.0, burst=False)
+    count = record.count_between(300.0 - TICK_S, 300.0)
+    assert count == pytest.approx(mean_rate(300.0 - WINDOW_S, 300.0) * TICK_S, rel=1e-9)
+
+
+def test_the_trend_forecast_from_the_record_reaches_the_ramp_at_the_horizon() -> None:
+    horizon_s = 10.0
+    # No minimum rise: the record, not the gate on small rises, is what is tested.
+    config = ForecastConfig(
+        enabled=True, horizon_s=horizon_s, trend_window_s=30.0, bin_s=2.0, min_rise=0.0
+    )
+    now_s = 300.0
+    truth = rate_at(now_s + horizon_s)
+    with_burst = forecast_rate_rps(recorded(now_s), now_s=now_s, config=config)
+    window_only = forecast_rate_rps(recorded(now_s, burst=False), now_s=now_s, config=config)
+    assert with_burst is not None and window_only is not None
+    # The record holds 4-s means on 2-s bins: a staircase within b·2 s of the ramp.
+    assert abs(with_burst - truth) <= B_RPS_PER_S * config.bin_s
+    # The window's rate alone lags by half a window less half a tick.
+    lag_s = (WINDOW_S - TICK_S) / 2
+    assert truth - window_only == pytest.approx(B_RPS_PER_S * lag_s, rel=0.2)
