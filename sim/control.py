@@ -121,7 +121,7 @@ def observation_from(
         decode=replicas[Pool.DECODE],
         arrival_rate_rps=snap.window_arrival_rate_rps,
         burst_arrival_rate_rps=burst.window_arrival_rate_rps,
-        interarrival_scv=_scv(snap.window_arrival_s),
+        interarrival_scv=window_scv(snap.window_arrival_s),
         lengths=_lengths(snap),
         ttft_p99_s=_p99(snap.window_ttft_s),
         tpot_p99_s=_p99(snap.window_tpot_s),
@@ -136,7 +136,9 @@ def _p99(values: np.ndarray) -> float | None:
     return float(np.quantile(finite, 0.99))
 
 
-def _scv(arrivals: np.ndarray) -> float | None:
+def window_scv(arrivals: np.ndarray) -> float | None:
+    """The SCV of a measurement window's inter-arrival gaps (None with fewer than 10
+    arrivals): the window's ca² as the simulated source reports it."""
     if len(arrivals) < 10:
         return None
     gaps = np.diff(arrivals)
@@ -170,8 +172,9 @@ def run_controlled(
 ) -> ControlledRun:
     """Run the production tick (``controller.tick.run_tick``) every
     ``config.interval_s`` of simulated time until ``until_s``."""
-    source = SimulatedSource(cluster, window_s=config.window_s,
-                             burst_window_s=config.burst_window_s)
+    source = SimulatedSource(
+        cluster, window_s=config.window_s, burst_window_s=config.burst_window_s
+    )
     actuator = SimulatedActuator(cluster)
     history = SimulatedArrivals(cluster)
     models = CapacityModels()
