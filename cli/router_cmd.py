@@ -56,6 +56,27 @@ def cmd_router(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(f"--{str(exc).split(':')[0].replace('_', '-')}: {exc}") from exc
+    health = None
+    watch = None
+    if args.health_listen:
+        from workers.router_health import HealthConfig, HealthProcess, LoopWatch
+
+        health_host, health_port = common.parse_listen("--health-listen", args.health_listen)
+        watch = LoopWatch()
+        try:
+            health = HealthProcess(
+                HealthConfig(
+                    host=health_host,
+                    port=health_port,
+                    stall_s=args.loop_stall_s,
+                    redis_url=config.redis_url,
+                    key_prefix=config.key_prefix,
+                    redis_timeout_s=config.redis_timeout_s,
+                ),
+                watch,
+            ).start()
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--health-listen: {exc}") from exc
     app = create_router_app(
         config,
         tokenize=tokenize,
@@ -64,8 +85,13 @@ def cmd_router(args: argparse.Namespace) -> int:
         chat_template=template,
         # A model's own template writes its special tokens (BOS) itself.
         tokenize_chat=tokenize_bare if template.adds_special_tokens else tokenize,
+        loop_watch=watch,
     )
-    serve_http(app, host=host, port=port, access_log=False)
+    try:
+        serve_http(app, host=host, port=port, access_log=False)
+    finally:
+        if health is not None:
+            health.stop()
     return 0
 
 
@@ -109,6 +135,18 @@ def register(sub: Any) -> None:
         "--served-model-name",
         help="the id /v1/models shows and requests must name (default: --model as given, "
         "a folder by its last component)",
+    )
+    p.add_argument(
+        "--health-listen",
+        metavar="HOST:PORT",
+        help="also answer /healthz and /readyz here, from a process of their own (off the "
+        "request-serving event loop: a probe that overload cannot delay)",
+    )
+    p.add_argument(
+        "--loop-stall-s",
+        type=float,
+        default=10.0,
+        help="the health listener's /healthz is 503 once the event loop has not run this long",
     )
     p.add_argument("--max-queued", type=int, default=1024, help="admission limit (429 beyond)")
     p.add_argument(

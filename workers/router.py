@@ -85,6 +85,7 @@ from workers.protocol import (
 )
 from workers.registry import AsyncRegistry
 from workers.router_chat import DEFAULT_CHAT_TEMPLATE, ChatError, ChatTemplate, parse_messages
+from workers.router_health import LoopWatch, beat_loop, readiness_body
 from workers.router_metrics import CONTENT_TYPE, Outcome, RouterMetrics
 from workers.router_stop import StopMatcher
 from workers.token_fanout import TokenFanout
@@ -100,9 +101,12 @@ _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 _RESERVED_CONNECTIONS = 16
 # What a request body carries besides its prompt (the other fields, JSON syntax).
 _BODY_OVERHEAD_BYTES = 16_384
-# A refused body is read and dropped up to this size, so the client sees its 413.
+# A refused body on a connection that closes after the answer is read and dropped up
+# to this size, so the client reads its 413; beyond, it is answered at once (a reset).
 _MAX_DRAIN_BYTES = 64 * 1024 * 1024
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# How often the serving loop stamps its LoopWatch (a stall shows within this).
+_LOOP_BEAT_S = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1046,12 +1050,7 @@ class Router:
                 live = {pool: await self.registry.live(pool) for pool in Pool}
         except (redis.RedisError, TimeoutError) as exc:
             return False, {"status": "not ready", "reason": str(self.unavailable(exc))}
-        counts = {pool.value: sum(w.ready for w in workers) for pool, workers in live.items()}
-        missing = [pool for pool, n in counts.items() if n == 0]
-        body: dict[str, Any] = {"status": "not ready" if missing else "ready", "workers": counts}
-        if missing:
-            body["reason"] = f"no ready {' or '.join(missing)} worker in the registry"
-        return not missing, body
+        return readiness_body({pool: sum(w.ready for w in ws) for pool, ws in live.items()})
 
     async def refresh_pool_gauges(self) -> None:
         """Live workers and stream depths for /metrics; NaN when Redis does not answer."""
@@ -1111,42 +1110,133 @@ def _http_error(exc: StarletteHTTPException) -> ApiError:
     )
 
 
-class BodyLimit:
-    """Refuses a request body over ``max_bytes`` with 413 before it is read in full.
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body exceeds {max_bytes} bytes (the model's context with room "
+        "to spare); send a shorter prompt",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
 
-    A declared ``Content-Length`` over the limit is refused before any of the body
-    is parsed or kept (it is dropped as it arrives, so the client can read the 413);
-    a chunked body is counted as it arrives and refused once past it.
+
+@dataclass(frozen=True, kw_only=True)
+class _Canned:
+    """A whole response, encoded once: sending it costs two ASGI messages."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    @classmethod
+    def of(cls, status: int, payload: dict[str, Any], headers: dict[str, str]) -> _Canned:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        return cls(status=status, headers=raw, body=body)
+
+    async def send(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+class FrontDoor:
+    """What is answered before the framework, any parsing or any Redis call.
+
+    Under an overload most requests are refused, and each refusal must cost the event
+    loop next to nothing, or the refusals themselves stall the streams being served
+    and the probes: so, with responses encoded once, at the outermost layer,
+
+    - ``GET /healthz``: the process and its event loop are up;
+    - ``POST`` to a completion path while the router serves ``max_inflight_requests``
+      already: 429 before the body is read or parsed (``admit`` checks again, for the
+      requests that pass here);
+    - a declared ``Content-Length`` over ``max_bytes``: 413 before any of the body is
+      parsed. On a kept-alive connection the response goes out at once and the server
+      (uvicorn) drops the rest of the body as it arrives without handing it to the
+      app, so the client still reads the 413 and no app code runs per chunk; on one
+      the server closes after the answer (``Connection: close``, as ``urllib``
+      sends) the body is first read and dropped, or the close would reset it.
+
+    A chunked body over the limit is counted as it arrives (``BodyLimit``).
     """
+
+    def __init__(self, app: ASGIApp, *, router: Router, max_bytes: int) -> None:
+        self.app = app
+        self.router = router
+        self.max_bytes = max_bytes
+        limit = router.config.max_inflight_requests
+        full = router.queue_full(f"this router serves {limit} requests already")
+        self._full = _Canned.of(full.status, full.body(), full.headers)
+        large = _too_large(max_bytes)
+        self._large = _Canned.of(large.status, large.body(), large.headers)
+        self._health = _Canned.of(200, {"status": "ok"}, {})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method, router = scope["method"], self.router
+        if method == "GET" and scope["path"] == "/healthz":
+            await self._health.send(send)
+            return
+        if (
+            method == "POST"
+            and scope["path"] in COMPLETION_PATHS
+            and router.inflight_requests >= router.config.max_inflight_requests
+        ):
+            router.metrics.requests.inc()  # demand refused for want of capacity
+            router.metrics.ended(Outcome.REJECTED)
+            await self._full.send(send)
+            return
+        if method in ("POST", "PUT", "PATCH"):
+            declared = _declared_length(scope)
+            if declared is not None and declared > self.max_bytes:
+                if _closes_after_answer(scope) and declared <= _MAX_DRAIN_BYTES:
+                    # The server closes this connection once answered, and a close with
+                    # the body unread resets it under the client, which is still
+                    # sending: so the body is dropped here first (never kept or parsed).
+                    while True:
+                        message = await receive()
+                        if message["type"] != "http.request" or not message.get("more_body"):
+                            break
+                await self._large.send(send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _declared_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def _closes_after_answer(scope: Scope) -> bool:
+    """Whether the server will close the connection after its answer while the client
+    still sends the body: HTTP/1.0 or ``Connection: close``, unless the client waits
+    for ``100 Continue`` (it has sent no body then). A kept-alive connection stays
+    open and the server itself drops the rest of a refused body as it arrives."""
+    closes = scope.get("http_version") == "1.0"
+    for name, value in scope["headers"]:
+        if name == b"expect" and value.lower() == b"100-continue":
+            return False
+        if name == b"connection" and b"close" in value.lower():
+            closes = True
+    return closes
+
+
+class BodyLimit:
+    """Refuses a chunked request body (no ``Content-Length``; ``FrontDoor`` refuses a
+    declared one) with 413 once more than ``max_bytes`` of it arrived."""
 
     def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _error(self) -> ApiError:
-        return ApiError(
-            413,
-            f"the request body exceeds {self.max_bytes} bytes (the model's context with room "
-            "to spare); send a shorter prompt",
-            type="invalid_request_error",
-            code="request_too_large",
-        )
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            # Refused already; what the client still sends is dropped as it comes
-            # (never kept, never parsed), so that it reads the 413 rather than a reset.
-            # Beyond _MAX_DRAIN_BYTES it is answered at once and gets the reset.
-            if int(declared) <= _MAX_DRAIN_BYTES:
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request" or not message.get("more_body"):
-                        break
-            await self._error().response()(scope, receive, send)
             return
         seen = 0
         refused = False
@@ -1160,7 +1250,7 @@ class BodyLimit:
                     # Answer here and tell the app the client left: an exception raised
                     # into its body parser would come out as a 400.
                     refused = True
-                    await self._error().response()(scope, receive, send)
+                    await _too_large(self.max_bytes).response()(scope, receive, send)
                     return {"type": "http.disconnect"}
             return message
 
@@ -1175,34 +1265,6 @@ class BodyLimit:
                 raise
 
 
-class RefuseWhenFull:
-    """Answers ``POST /v1/completions`` (and chat) with 429 before its body is read or parsed when
-    the router already serves ``max_inflight_requests``: under an overload most
-    requests are refused, and each refusal should cost the event loop next to nothing
-    (``admit`` checks again, for those that pass here)."""
-
-    def __init__(self, app: ASGIApp, *, router: Router) -> None:
-        self.app = app
-        self.router = router
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        router = self.router
-        if (
-            scope["type"] == "http"
-            and scope["method"] == "POST"
-            and scope["path"] in COMPLETION_PATHS
-            and router.inflight_requests >= router.config.max_inflight_requests
-        ):
-            router.metrics.requests.inc()  # demand refused for want of capacity
-            router.metrics.ended(Outcome.REJECTED)
-            error = router.queue_full(
-                f"this router serves {router.config.max_inflight_requests} requests already"
-            )
-            await error.response()(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
 def create_router_app(
     config: RouterConfig,
     *,
@@ -1214,11 +1276,14 @@ def create_router_app(
     new_seed: Callable[[], int] = lambda: secrets.randbits(63),
     chat_template: ChatTemplate = DEFAULT_CHAT_TEMPLATE,
     tokenize_chat: Tokenize | None = None,
+    loop_watch: LoopWatch | None = None,
 ) -> FastAPI:
     """The router's ASGI app. ``clock`` (monotonic seconds) times TTFT/TPOT and the
     timeout; ``wall_clock`` stamps messages and ``created`` (Unix seconds);
     ``new_seed`` seeds requests that carry none; ``chat_template`` renders chat
-    messages into a prompt, which ``tokenize_chat`` (default ``tokenize``) tokenises."""
+    messages into a prompt, which ``tokenize_chat`` (default ``tokenize``) tokenises;
+    ``loop_watch`` is stamped from the serving loop every 0.5 s, for a
+    ``workers.router_health.HealthServer`` that answers the probes off that loop."""
     router = Router(
         config,
         tokenize=tokenize,
@@ -1233,7 +1298,14 @@ def create_router_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        beats = None
+        if loop_watch is not None:
+            beats = asyncio.create_task(
+                beat_loop(loop_watch, interval_s=_LOOP_BEAT_S, clock=router.clock)
+            )
         yield
+        if beats is not None:
+            beats.cancel()
         await router.close()
 
     app = FastAPI(title="SARA router", lifespan=lifespan)
@@ -1255,7 +1327,8 @@ def create_router_app(
         return _http_error(exc).response()
 
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    app.add_middleware(RefuseWhenFull, router=router)  # outermost: before the size check
+    # Outermost (added last): refusals and the probe before any other layer.
+    app.add_middleware(FrontDoor, router=router, max_bytes=config.max_body_bytes)
 
     async def answer(body: CompletionBody | ChatBody) -> Response:
         admitted = await router.admit(body)
@@ -1298,7 +1371,7 @@ def create_router_app(
         }
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:  # answered by FrontDoor; here for the schema
         return {"status": "ok"}
 
     @app.get("/readyz", response_model=None)

@@ -10,6 +10,7 @@ hand with ``Streams`` to produce re-runs, gaps and stalls.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import itertools
 import json
 import math
@@ -644,6 +645,31 @@ def test_a_body_over_the_size_limit_is_refused_before_it_is_read(
     resp = httpx.post(f"{served.url}/v1/completions", content=chunks(), timeout=10)
     assert resp.status_code == 413
     assert error_of(resp)["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("connection", ["keep-alive", "close", "expect-100-continue"])
+def test_a_huge_body_is_a_413_however_the_client_holds_its_connection(
+    served: ServerThread, connection: str
+) -> None:
+    """Past the socket buffers: a server that closed with the body unread would reset
+    the client while it still sends, and the client would never read the 413."""
+    body = json.dumps({"prompt": "x" * (10 * 1024 * 1024)}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    if connection == "close":
+        headers["Connection"] = "close"
+    if connection == "expect-100-continue":
+        headers["Expect"] = "100-continue"
+        conn.putrequest("POST", "/v1/completions")
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.endheaders()  # and waits for 100 Continue, which never comes: the 413 does
+    else:
+        conn.request("POST", "/v1/completions", body=body, headers=headers)
+    resp = conn.getresponse()
+    payload = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 413 and payload["error"]["code"] == "request_too_large"
 
 
 def test_with_no_live_worker_a_request_is_a_503_no_workers_and_not_demand(
