@@ -516,8 +516,13 @@ def test_the_router_listens_and_reads_redis_from_the_secret(render: Render) -> N
         "$(REDIS_URL)",
         "--model",
         "/models/llama-3-8b",
+        "--health-listen",
+        "0.0.0.0:8001",
     ]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # The probes go to the health listener, which an overload of the API cannot delay.
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "health": 8001}
     ref = env_of(c)["REDIS_URL"]["valueFrom"]["secretKeyRef"]
     assert one(objs, "Secret", ref["name"])["data"][ref["key"]]
     service = one(objs, "Service", router["metadata"]["name"])
