@@ -95,13 +95,12 @@ class WorkerMetrics:
             raise ValueError(f"identity: the {engines[0].value} flavour names the model it serves")
         if identity is not None and identity.pool is not pool:
             raise ValueError(f"identity: pool {identity.pool.value} is not this worker's")
-        self.flavors = tuple(dict.fromkeys(flavors))
         self.engines: list[EngineExposition] = []
-        for flavor in engines:
-            assert identity is not None
-            exposition = engine_exposition(flavor, identity, r)
-            if exposition is not None:
-                self.engines.append(exposition)
+        if identity is not None:
+            for flavor in engines:
+                exposition = engine_exposition(flavor, identity, r)
+                if exposition is not None:
+                    self.engines.append(exposition)
         self.iteration_s = Histogram(
             "sara_worker_iteration_seconds",
             "Wall time of one engine step (forward pass and sampling).",
