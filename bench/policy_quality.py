@@ -48,6 +48,7 @@ from sim.policies import (
     POLICY_NAMES,
     BacktestPolicy,
     OraclePolicy,
+    OracleWindow,
     SaraPolicy,
     Scenario,
     ThresholdPolicy,
@@ -286,13 +287,25 @@ def _threshold(
     return build
 
 
-def _reactive_oracle(trace: Trace, scenario: Scenario) -> BacktestPolicy:
-    """The oracle's plan without its lead: each window's workers are asked for the
-    moment the window starts, so they serve a start-up later. It knows every
-    window's size and reacts at the earliest instant a causal policy could (when
-    the load arrives), so its attainment bounds what any policy reaches that does
-    not hold a window's capacity before the window's load is there."""
-    policy = OraclePolicy(scenario, plan_oracle(trace, scenario).windows)
+@functools.cache
+def _oracle_windows(name: str) -> tuple[OracleWindow, ...]:
+    """The oracle's plan of a workload, planned once per process: the oracle and the
+    reactive-oracle bound replay the same plan."""
+    w = workload(name)
+    return plan_oracle(w.trace, w.scenario).windows
+
+
+def _oracle(name: str) -> BacktestPolicy:
+    return OraclePolicy(workload(name).scenario, _oracle_windows(name))
+
+
+def _reactive_oracle(name: str) -> BacktestPolicy:
+    """The oracle's plan without its lead: each window's workers are asked for (one
+    1-s tick before) the moment the window starts, so they serve a start-up later.
+    It knows every window's size and reacts at the earliest instant a causal policy
+    could (when the load arrives), so its attainment bounds what any policy reaches
+    that does not hold a window's capacity before the window's load is there."""
+    policy = OraclePolicy(workload(name).scenario, _oracle_windows(name))
     policy.lead_s = 0.0
     policy.name = "reactive-oracle"
     return policy
@@ -308,21 +321,30 @@ VARIANTS: dict[str, Callable[[Trace, Scenario], BacktestPolicy]] = {
     "threshold queue": _threshold(ThresholdTargets(count_queued=True), "threshold queue"),
 }
 # Not a policy to deploy: the bound on what reacting to the load can reach (--bounds).
-BOUNDS: dict[str, Callable[[Trace, Scenario], BacktestPolicy]] = {
+BOUNDS: dict[str, Callable[[str], BacktestPolicy]] = {
     "reactive-oracle": _reactive_oracle,
 }
+# Run in one process per workload: they share the oracle's plan, and the oracle's
+# planning replays static-peak and its own plan, which sim.policies.base.replay then
+# reuses rather than simulating again.
+PLANNED = ("oracle", "static-peak", *BOUNDS)
 
 
-def run_task(task: tuple[str, str]) -> tuple[str, str, BacktestResult]:
-    name, policy_name = task
+def run_task(task: tuple[str, tuple[str, ...]]) -> list[tuple[str, str, BacktestResult]]:
+    name, policy_names = task
     w = workload(name)
-    if policy_name in VARIANTS:
-        policy = VARIANTS[policy_name](w.trace, w.scenario)
-    elif policy_name in BOUNDS:
-        policy = BOUNDS[policy_name](w.trace, w.scenario)
-    else:
-        policy = make_policy(policy_name, w.trace, w.scenario)
-    return name, policy_name, run_backtest(w.trace, policy, w.scenario)
+    out = []
+    for policy_name in policy_names:
+        if policy_name in VARIANTS:
+            policy = VARIANTS[policy_name](w.trace, w.scenario)
+        elif policy_name in BOUNDS:
+            policy = BOUNDS[policy_name](name)
+        elif policy_name == "oracle":
+            policy = _oracle(name)
+        else:
+            policy = make_policy(policy_name, w.trace, w.scenario)
+        out.append((name, policy_name, run_backtest(w.trace, policy, w.scenario)))
+    return out
 
 
 # -- the table -----------------------------------------------------------------------------
@@ -472,17 +494,24 @@ def main() -> None:
         policies += list(VARIANTS)
     if args.bounds:
         policies += list(BOUNDS)
-    # Longest first: the oracle plans with window simulations before its run.
-    tasks = sorted(
-        ((w, p) for w in names for p in policies),
-        key=lambda t: (t[1] not in ("oracle", *BOUNDS), t[0] == "code"),
-    )
+    # The oracle's group first (it plans with window simulations before its run),
+    # then one task per other policy.
+    tasks: list[tuple[str, tuple[str, ...]]] = []
+    for w in names:
+        planned = tuple(p for p in policies if p in PLANNED)
+        if "oracle" not in planned:  # without the oracle nothing is shared
+            tasks += [(w, (p,)) for p in planned]
+        elif planned:
+            tasks.append((w, planned))
+    tasks.sort(key=lambda t: (not any(p in ("oracle", *BOUNDS) for p in t[1]), t[0] == "code"))
+    tasks += [(w, (p,)) for w in names for p in policies if p not in PLANNED]
     started = time.perf_counter()
     done: dict[tuple[str, str], BacktestResult] = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for wname, pname, result in pool.map(run_task, tasks):
-            done[(wname, pname)] = result
-            print(f"  {wname:<8} {pname:<18} {result.wall_s:6.1f} s", file=sys.stderr)
+        for group in pool.map(run_task, tasks):
+            for wname, pname, result in group:
+                done[(wname, pname)] = result
+                print(f"  {wname:<8} {pname:<18} {result.wall_s:6.1f} s", file=sys.stderr)
     wall_s = time.perf_counter() - started
     results = {w: {p: done[(w, p)] for p in policies} for w in names}
     for w in names:

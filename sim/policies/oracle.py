@@ -412,6 +412,19 @@ class OraclePolicy:
         self.lead_s = scenario.worker_startup_s
         self._last = self.initial
 
+    @property
+    def schedule(self) -> tuple[object, ...]:
+        """Every size it asks for and when (``base.replay`` reuses its runs): a plan
+        of one allocation throughout is the constant one, whatever its windows."""
+        sizes = {(w.allocation.prefill, w.allocation.decode) for w in self.plan}
+        if len(sizes) == 1:
+            ((prefill, decode),) = sizes
+            return ("constant", prefill, decode)
+        windows = tuple(
+            (w.start_s, w.end_s, w.allocation.prefill, w.allocation.decode) for w in self.plan
+        )
+        return ("windows", self.lead_s, self.interval_s, windows)
+
     def wanted(self, now_s: float) -> Allocation:
         """Each pool at the largest allocation of the current window and of every
         window that must start its workers before the next tick to be served in time."""

@@ -30,6 +30,11 @@ class StaticPolicy:
     initial: Allocation
     interval_s: float = 3600.0
 
+    @property
+    def schedule(self) -> tuple[object, ...]:
+        """Every size it asks for: one, from the start (``base.replay`` reuses runs)."""
+        return ("constant", self.initial.prefill, self.initial.decode)
+
     def tick(self, view: ClusterView) -> Allocation | None:
         return None
 

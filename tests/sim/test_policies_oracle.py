@@ -5,6 +5,7 @@ that meets the target."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,15 @@ from hypothesis import strategies as st
 from queueing.catalog import resolve_profile
 from queueing.solver import KvLink, SloTargets
 from sim.backtest import run_backtest
-from sim.policies import Allocation, OraclePolicy, OracleWindow, Scenario, plan_oracle, static_peak
+from sim.policies import (
+    Allocation,
+    OraclePolicy,
+    OracleWindow,
+    Scenario,
+    base,
+    plan_oracle,
+    static_peak,
+)
 from sim.policies.oracle import TARGET_ATTAINMENT, _Search, check_window, confirm, plan_window
 from sim.trace import Trace
 from sim.trace_io import load_trace
@@ -182,3 +191,37 @@ def test_the_oracle_meets_the_target_and_costs_no_more_than_static_peak_when_tha
     assert peak.slo_attainment is not None
     if peak.slo_attainment >= TARGET_ATTAINMENT:
         assert oracle.gpu_hours <= peak.gpu_hours
+
+
+def test_a_fixed_schedule_is_simulated_once_and_the_reused_run_is_the_same() -> None:
+    trace = servable(conv_slice(300.0, 1.0))
+    peak = static_peak(trace, SCENARIO)
+    constant = tuple(
+        OracleWindow(
+            start_s=100.0 * k,
+            end_s=100.0 * (k + 1),
+            requests=1,
+            allocation=peak.initial,
+            met=True,
+            simulations=0,
+        )
+        for k in range(3)
+    )
+    first = base.replay(trace, peak, SCENARIO)
+    # A plan of one allocation throughout is the same schedule: the run is reused.
+    assert base.replay(trace, OraclePolicy(SCENARIO, constant), SCENARIO) is first
+    # ... and it is the run a fresh simulation gives (the simulation is deterministic).
+    fresh = base._replay(trace, peak, SCENARIO, progress=None)
+    np.testing.assert_array_equal(fresh.results.finish_s, first.results.finish_s)
+    np.testing.assert_array_equal(fresh.results.ttft_s, first.results.ttft_s)
+    # Another trace (even an equal one) or another schedule is simulated again.
+    copy = Trace(
+        arrival_s=trace.arrival_s.copy(),
+        prompt_tokens=trace.prompt_tokens.copy(),
+        output_tokens=trace.output_tokens.copy(),
+        source=trace.source,
+    )
+    assert base.replay(copy, peak, SCENARIO) is not first
+    grown = Allocation(prefill=peak.initial.prefill + 1, decode=peak.initial.decode)
+    other = tuple(replace(w, allocation=grown) if k == 1 else w for k, w in enumerate(constant))
+    assert base.replay(trace, OraclePolicy(SCENARIO, other), SCENARIO) is not first
