@@ -17,9 +17,13 @@ default 2); ``--quick`` runs four policies. ``--sensitivity`` adds variants (not
 part of the timed run): the threshold policy with a lower target or a queue-aware
 metric, ``sara`` / ``sara-forecast`` with a 60-s measurement window, ``sara`` with a
 0.3 headroom or without its scale-down stabilisation (``sara s0``), and
-``sara-forecast`` with a 180-s trend window.
+``sara-forecast`` with a 180-s trend window. ``--bounds`` adds ``reactive-oracle``
+(the oracle's plan asked for only when each window starts: what any policy that
+reacts to the load can reach at best); ``--dispersion`` prints how bursty each
+workload is at the controller's scales and stops.
 
     .venv/bin/python bench/policy_quality.py [--jobs 2] [--markdown] [--quick] [--sensitivity]
+        [--bounds] [--dispersion]
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from controller.sources.counters import dispersion_index
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.solver import KvLink, SloTargets
 from sim.backtest import BacktestResult, run_backtest
+from sim.control import window_scv
 from sim.policies import (
     POLICY_NAMES,
     BacktestPolicy,
@@ -470,6 +476,54 @@ def acceptance(results: dict[str, dict[str, BacktestResult]], policy: str = "sar
     return lines
 
 
+def dispersion(names: list[str]) -> str:
+    """How bursty each workload's arrivals are at the scales the controller reads:
+    the mean (and median) over its 30-s windows of the gap SCV (what the simulated
+    source measures) and of the index of dispersion of the window's 5-s counts (what
+    the production sources measure, ``controller.sources.counters``), and the index
+    of dispersion of the counts over 30 s, one lead time (start-up + a 30-s tick) and
+    300 s, from half the mean squared successive difference of the counts (which a
+    slow trend does not inflate)."""
+    rows = [
+        "| workload | window gap SCV mean / median | window 5-s IDC mean / median "
+        "| IDC at 30 s | IDC at the lead time | IDC at 300 s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        w = workload(name)
+        t = w.trace.arrival_s
+        gap, idc = [], []
+        for end in np.arange(30.0, float(t[-1]), 30.0):
+            inside = t[(t > end - 30.0) & (t <= end)]
+            g = window_scv(inside)
+            d = counted_dispersion(inside, end_s=float(end), window_s=30.0, step_s=5.0)
+            if g is not None and d is not None:
+                gap.append(g)
+                idc.append(d)
+        lead_s = w.scenario.worker_startup_s + 30.0
+        spans = []
+        for span in (30.0, lead_s, 300.0):
+            counts = np.histogram(t, bins=np.arange(0.0, float(t[-1]), span))[0]
+            spans.append(0.5 * float(np.mean(np.diff(counts) ** 2)) / float(counts.mean()))
+        rows.append(
+            f"| {name} | {np.mean(gap):.2f} / {np.median(gap):.2f} | "
+            f"{np.mean(idc):.2f} / {np.median(idc):.2f} | {spans[0]:.1f} | "
+            f"{spans[1]:.1f} ({lead_s:.0f} s) | {spans[2]:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def counted_dispersion(
+    arrival_s: np.ndarray, *, end_s: float, window_s: float, step_s: float
+) -> float | None:
+    """The index of dispersion of the counts in ``step_s`` sub-windows back from
+    ``end_s`` over ``window_s``, as the production sources compute it."""
+    k = math.floor(window_s / step_s + 1e-9)
+    edges = end_s - step_s * np.arange(k, -1, -1, dtype=np.float64)
+    counts = np.histogram(arrival_s, bins=edges)[0]
+    return dispersion_index(counts, np.full(k, step_s))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
@@ -487,8 +541,16 @@ def main() -> None:
         action="store_true",
         help=f"only {', '.join(QUICK_POLICIES)} (about half the time)",
     )
+    parser.add_argument(
+        "--dispersion",
+        action="store_true",
+        help="print how bursty each workload is at the controller's scales, and stop",
+    )
     args = parser.parse_args()
     names = args.workloads.split(",")
+    if args.dispersion:
+        print(dispersion(names))
+        return
     policies = list(QUICK_POLICIES) if args.quick else args.policies.split(",")
     if args.sensitivity:
         policies += list(VARIANTS)
