@@ -9,7 +9,10 @@ server-sent events ending in ``data: [DONE]`` with ``stream: true``, else as one
 JSON body — with ``usage``. Stop strings (``workers.router_stop``) end a choice and
 withdraw it from the workers.
 ``GET /v1/models``, ``/healthz`` (the process is up), ``/readyz`` (Redis answers
-and at least one prefill and one decode worker is live), ``/metrics``.
+and at least one prefill and one decode worker is live), ``/metrics``. ``FrontDoor``
+answers refusals (429 at the in-flight limit, 413 by ``Content-Length``) and
+``/healthz`` before any other layer; ``workers.router_health`` answers the probes
+from a process of their own, off this event loop.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 
