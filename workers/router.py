@@ -860,7 +860,7 @@ class Router:
             ("top_logprobs", body.top_logprobs is not None),
             ("tools", bool(body.tools)),
             ("functions", bool(body.functions)),
-            ("tool_choice", body.tool_choice not in (None, "none")),
+            ("tool_choice", body.tool_choice not in (None, "none", "auto")),  # auto: no tools
             ("response_format", response_format != "text"),
         ):
             if bad:

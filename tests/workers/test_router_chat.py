@@ -146,6 +146,7 @@ def test_content_given_as_text_parts_is_joined_by_newlines(served: ServerThread)
         ({"messages": [USER], "logprobs": True}, "logprobs", "unsupported"),
         ({"messages": [USER], "top_logprobs": 2}, "top_logprobs", "unsupported"),
         ({"messages": [USER], "tools": [{"type": "function"}]}, "tools", "unsupported"),
+        ({"messages": [USER], "tool_choice": "required"}, "tool_choice", "unsupported"),
         (
             {"messages": [USER], "response_format": {"type": "json_object"}},
             "response_format",
