@@ -155,3 +155,19 @@ def test_a_template_that_does_not_compile_is_refused_naming_the_file(tmp_path: P
     folder = write_model(tmp_path / "m", {"chat_template": "{% for m in messages %}"})
     with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
         load_chat_template(folder)
+
+
+def test_sara_routers_chat_tokenizer_adds_no_bos_to_a_template_that_writes_its_own(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torch")
+    from cli.router_cmd import _tokenizer
+    from workers.checkpoint import tiny_config, train_tokenizer
+
+    train_tokenizer(tiny_config()).save(str(tmp_path / "tokenizer.json"))
+    tokenize, detokenize, tokenize_bare = _tokenizer(tmp_path)
+    bos = 1  # the tiny tokenizer's <s>
+    assert tokenize("Hello")[0] == bos and tokenize_bare("Hello")[0] != bos
+    assert tokenize("Hello")[1:] == tokenize_bare("Hello")
+    assert tokenize_bare("<s>Hello") == [bos, *tokenize_bare("Hello")]
+    assert detokenize(tokenize_bare("Hello")) == "Hello"
