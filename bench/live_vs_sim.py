@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,8 +62,14 @@ def scrape_timing(ports: list[int]) -> tuple[float, float]:
     between back-to-back steps they overlapped (the steps' cadence), and the profile's."""
     measured = profile = 0.0
     for port in ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError as exc:
+            raise RuntimeError(
+                f"the worker whose metrics are on port {port} does not answer ({exc}): it "
+                "exited or was replaced during the run, so its timing cannot be summed"
+            ) from exc
         for name, value in METRIC.findall(text):
             if name.startswith("sara_worker_emulated_profile"):
                 profile += float(value)
@@ -73,7 +80,7 @@ def scrape_timing(ports: list[int]) -> tuple[float, float]:
 
 def live(
     csv: Path, work: Path, *, prefill: int, decode: int, config: dict[str, Any], budget: int,
-    slo: SloTargets,
+    slo: SloTargets, logs: Path,
 ) -> dict[str, Any]:  # fmt: skip
     config = {
         **config,
@@ -117,6 +124,11 @@ def live(
     finally:
         _stop(serve)
         log.close()
+        # Kept: a run of ten minutes that went wrong must say why afterwards.
+        logs.mkdir(parents=True, exist_ok=True)
+        shutil.copy(work / "serve.log", logs / "serve.log")
+        if (work / "state" / "logs").is_dir():
+            shutil.copytree(work / "state" / "logs", logs / "workers", dirs_exist_ok=True)
     timing = {
         pool: (after[pool][0] - before[pool][0]) / max(after[pool][1] - before[pool][1], 1e-12)
         for pool in after
@@ -133,6 +145,9 @@ def main() -> int:
     parser.add_argument("--ttft-p99", type=float, default=2.0)
     parser.add_argument("--tpot-p99", type=float, default=0.1)
     parser.add_argument("--rate-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--logs", default="bench-out/live_vs_sim", help="where each run's serve and worker logs go"
+    )
     args = parser.parse_args()
     profile = load_profile(args.profile)
     budget = token_budget(profile, tpot_slo_s=args.tpot_p99)
@@ -177,7 +192,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="sara-lvs-") as tmp:
             started = time.monotonic()
             got = live(_csv(piece, Path(tmp)), Path(tmp), prefill=n, decode=m, config=config,
-                       budget=budget, slo=slo)  # fmt: skip
+                       budget=budget, slo=slo, logs=Path(args.logs) / f"{n}x{m}")  # fmt: skip
             wall = time.monotonic() - started
         rep = got["report"]
         sim_ttft, sim_tpot = sim.ttft_s, sim.tpot_s[np.isfinite(sim.tpot_s)]
@@ -193,7 +208,11 @@ def main() -> int:
                 wall,
             )
         )  # fmt: skip
+        print_rows(rows[-1:])
+    return 0
 
+
+def print_rows(rows: list[Any]) -> None:
     def f(x: float | None, scale: float = 1.0) -> str:
         return "-" if x is None else f"{x * scale:.3f}"
 
@@ -213,9 +232,9 @@ def main() -> int:
             f"{'':<7}live/sim P99 TTFT {lv[2] / sm[2]:.3f}, P99 TPOT {lv[4] / sm[4]:.3f} "
             f"(target within 0.85-1.15); iteration time / profile: prefill "
             f"{timing['prefill']:.4f}, decode {timing['decode']:.4f} (target <= 1.05); "
-            f"live run {wall:.0f} s"
+            f"live run {wall:.0f} s",
+            flush=True,
         )
-    return 0
 
 
 def _csv(piece: Any, work: Path) -> Path:
