@@ -10,6 +10,7 @@ plain one: the same tokens, so the same text.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -41,7 +42,7 @@ class Stack:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
 
-def serve(work: Path, *args: str) -> Iterator[Stack]:
+def launch(work: Path, *args: str) -> Stack:
     work.mkdir(parents=True, exist_ok=True)
     router_port, api_port = free_port(), free_port()
     config = work / "config.json"
@@ -53,47 +54,67 @@ def serve(work: Path, *args: str) -> Iterator[Stack]:
             *("--state-dir", str(work / "state"), "--model-cache", str(work / "models")),
             *("--listen", f"127.0.0.1:{router_port}", "--api-listen", f"127.0.0.1:{api_port}"),
             *("--prefill-port", str(free_port()), "--decode-port", str(free_port())),
-            *("--grace-period-s", "5", "--request-timeout-s", "60", *args),
+            *("--grace-period-s", "1", "--request-timeout-s", "60", *args),
         ],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env={k: v for k, v in os.environ.items() if k != "SARA_PARENT_PID"},
     )
-    stack = Stack(process=process, url=f"http://127.0.0.1:{router_port}", log=log)
+    return Stack(process=process, url=f"http://127.0.0.1:{router_port}", log=log)
+
+
+def wait_ready(stack: Stack) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert stack.process.poll() is None, "exited:\n" + stack.log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{stack.url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "not ready:\n" + stack.log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+    """Both stacks, started together (their start-ups overlap)."""
+    started = {
+        "emulated": launch(
+            tmp_path_factory.mktemp("emulated"),
+            *("--engine", "emulated", "--startup-s", "0", "--served-model-name", "llama-8b"),
+        )
+    }
+    if importlib.util.find_spec("torch") is not None:
+        started["tiny"] = launch(
+            tmp_path_factory.mktemp("tiny"), "--model", "tiny", "--profile", PROFILE
+        )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, "sara serve exited:\n" + log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{stack.url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "not ready:\n" + log.read_text()[-3000:]
-            time.sleep(0.2)
-        yield stack
+        for stack in started.values():
+            wait_ready(stack)
+        yield started
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+        for stack in started.values():
+            if stack.process.poll() is None:
+                stack.process.send_signal(signal.SIGTERM)
+        for stack in started.values():
             try:
-                process.wait(timeout=30)
+                stack.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                stack.process.kill()
+                stack.process.wait()
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    work = tmp_path_factory.mktemp("emulated")
-    yield from serve(
-        work, "--engine", "emulated", "--startup-s", "0", "--served-model-name", "llama-8b"
-    )
+@pytest.fixture
+def emulated(stacks: dict[str, Stack]) -> Stack:
+    return stacks["emulated"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    pytest.importorskip("torch")
-    yield from serve(tmp_path_factory.mktemp("tiny"), "--model", "tiny", "--profile", PROFILE)
+@pytest.fixture
+def tiny(stacks: dict[str, Stack]) -> Stack:
+    if "tiny" not in stacks:
+        pytest.skip("torch is not installed: no tiny model")
+    return stacks["tiny"]
 
 
 def test_the_emulated_stack_answers_the_openai_client(emulated: Stack) -> None:
