@@ -51,7 +51,9 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy import signal
 
+from queueing.erlang import erlang_b
 from queueing.ggc import WaitTail, ggc_wait_tail
 from queueing.lengths import FloatArray, LengthSamples, Strata, stratify
 from queueing.profile import IterationProfile
@@ -163,6 +165,29 @@ def _ride_terms(
     )
 
 
+def _partial_fills(
+    lengths: FloatArray, spare: FloatArray
+) -> tuple[tuple[FloatArray, FloatArray], tuple[FloatArray, FloatArray]]:
+    """For each spare budget s (integer tokens, 0 for none): the chance that one
+    prompt of the mix, and that two, hold fewer than s tokens, and the mean of their
+    tokens when they do — from the exact distribution of one length and of the sum
+    of two (a convolution on a one-token grid, capped above the largest spare)."""
+    cap = int(spare.max()) + 1
+    n = len(lengths)
+    one = np.bincount(np.minimum(lengths, cap).astype(np.int64), minlength=cap + 1) / n
+    two = signal.fftconvolve(one, one)[: cap + 1]
+    grid = np.arange(cap + 1, dtype=np.float64)
+    index = np.maximum(spare.astype(np.int64) - 1, 0)
+    result = []
+    for pmf in (one, two):
+        below = np.cumsum(np.maximum(pmf, 0.0))[index]
+        tokens = np.cumsum(np.maximum(pmf, 0.0) * grid)[index]
+        share = np.where(spare >= 1, below, 0.0)
+        mean = np.divide(tokens, share, out=np.zeros_like(share), where=share > 1e-12)
+        result.append((share, mean))
+    return result[0], result[1]
+
+
 def _phi(x: float) -> float:
     """(1 - e^-x) / x, the mean of e^(-x u) for u uniform on [0, 1]."""
     return 1.0 if x == 0.0 else -math.expm1(-x) / x
@@ -246,6 +271,10 @@ class PrefillModel:
 
     service_s: FloatArray
     fill_alone_s: FloatArray  # a lone multi-chunk prompt's last iteration filled
+    fill_short_s: FloatArray  # ... in part, by one queued prompt: its mean fill
+    fill_short_share: FloatArray  # the chance that one queued prompt leaves budget over
+    fill_pair_s: FloatArray  # ... in part, by two queued prompts
+    fill_pair_share: FloatArray
     fresh_fill_s: FloatArray  # the fill of a prompt's last iteration from a fresh start
     stream: _StreamTerms
     ride_base_s: FloatArray  # admitted at the start of another prompt's last chunk
@@ -275,9 +304,19 @@ class PrefillModel:
         mean = float(service.mean())
         packed_mean = float(packed.mean())
         ride_base, ride_fill, ride_share = _ride_terms(profile, lengths, strata, token_budget)
+        # The budget a lone multi-chunk prompt leaves over in its last chunk is filled
+        # with what is queued: the head of the queue, a prompt of the mix, when it is
+        # shorter than the budget left (and nothing else is queued) fills it in part.
+        multi = lengths > token_budget
+        spare = np.where(multi, iterations * token_budget - lengths, 0.0)
+        (one_share, one_mean), (two_share, two_mean) = _partial_fills(lengths, spare)
         return cls(
             service_s=strata.means(service),
-            fill_alone_s=strata.means(np.where(lengths > token_budget, fresh_fill, 0.0)),
+            fill_alone_s=strata.means(np.where(multi, fresh_fill, 0.0)),
+            fill_short_s=_weighted_means(strata, profile.t_tok_s * one_mean, one_share),
+            fill_short_share=strata.means(one_share),
+            fill_pair_s=_weighted_means(strata, profile.t_tok_s * two_mean, two_share),
+            fill_pair_share=strata.means(two_share),
             fresh_fill_s=strata.means(fresh_fill),
             stream=_stream_terms(profile, lengths, strata, token_budget),
             ride_base_s=ride_base,
@@ -340,24 +379,32 @@ class PrefillModel:
         return min(busy_s, ceiling_s)
 
     def wait_tail(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> WaitTail:
-        """Tail of the stream wait W_f: P_w at the busy time, the rate at the packed
-        times. Raises ``UnstableQueueError`` when overloaded."""
+        """Tail of the stream wait W_f: P_w of the two-rate chain (solo time while a
+        worker is idle, packed once all are busy), the rate at the packed times.
+        Raises ``UnstableQueueError`` when overloaded."""
         if not self.is_stable(workers=workers, arrival_rate_rps=arrival_rate_rps):
             raise UnstableQueueError(
                 f"prefill_workers: {workers} workers cannot serve "
                 f"{arrival_rate_rps:.4g} req/s of {self.packed_service_s:.4g} s prompts"
             )
         stream = self._stream_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
-        busy_s = self._busy_s(
-            workers=workers, arrival_rate_rps=arrival_rate_rps, p_wait=stream.wait_probability
-        )
+        # While a worker is idle, arrivals start alone (the solo time); once all are
+        # busy the queue drains as a token stream (the packed time): the two-rate
+        # chain of ``_stream_drain_factor``. Near saturation the solo load may exceed
+        # the pool, so it is kept below N / lambda as ``_busy_s`` keeps the busy time.
+        alone_s = self._busy_s(workers=workers, arrival_rate_rps=arrival_rate_rps, p_wait=0.0)
         p_wait = ggc_wait_tail(
             arrival_rate_rps=arrival_rate_rps,
-            mean_service_s=busy_s,
+            mean_service_s=alone_s,
             servers=workers,
             ca2=ca2,
             cs2=self.service_scv,
         ).wait_probability
+        p_wait *= _stream_drain_factor(
+            workers=workers,
+            busy_load=arrival_rate_rps * alone_s,
+            packed_load=arrival_rate_rps * self.packed_service_s,
+        )
         return WaitTail(wait_probability=p_wait, decay_rate_per_s=stream.decay_rate_per_s)
 
     def _atoms(
@@ -365,8 +412,9 @@ class PrefillModel:
     ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
         """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
 
-        Six groups per class: alone; alone with its last iteration filled by work
-        queued at the start of its last chunk; queued briefly (an atom at the mean
+        Eight groups per class: alone; alone with its last iteration filled by work
+        queued at the start of its last chunk (in full, or in part by one or two
+        queued prompts); queued briefly (an atom at the mean
         short wait), then started fresh, or riding in another prompt's last chunk when
         another worker's boundary admitted it; and queued into the stream, ending
         after one or two extra iterations, plus the exponential admission wait.
@@ -388,8 +436,13 @@ class PrefillModel:
         # others_per_s * short_wait_s; at the start of a last chunk in ride_share of cases.
         rides = min(1.0, others_per_s * short_wait_s) * self.ride_share
         # Waiting prompts are taken at boundaries with budget to spare, one each, so
-        # such a boundary finds work queued with probability P_w / E[min(n, 2)].
+        # such a boundary finds work queued with probability P_w / E[min(n, 2)]. The
+        # queue it finds holds Q >= 1 prompts, geometric with ratio rho_p (the
+        # two-rate chain above N); one or two that leave budget over fill it in part.
         filled = pw / self.spare_boundaries
+        rho_p = min(1.0, arrival_rate_rps * self.packed_service_s / workers)
+        by_one = self.fill_short_share * (1.0 - rho_p)
+        by_two = self.fill_pair_share * (1.0 - rho_p) * rho_p
         # A prompt that waited has behind it whatever arrived during its wait.
         stream_filled = arrival_rate_rps / (arrival_rate_rps + theta)
         w = self.weights
@@ -399,6 +452,8 @@ class PrefillModel:
             [
                 self.service_s,
                 self.service_s + self.fill_alone_s,
+                self.service_s + self.fill_short_s,
+                self.service_s + self.fill_pair_s,
                 self.service_s + short_wait_s + pw * self.fresh_fill_s,
                 self.ride_base_s + short_wait_s + pw * self.ride_fill_s,
                 s.one_more_base_s + stream_filled * s.one_more_fill_s,
@@ -410,7 +465,9 @@ class PrefillModel:
         no_wait = np.concatenate(
             [
                 w * (1.0 - pw) * (1.0 - filled),
-                w * (1.0 - pw) * filled,
+                w * (1.0 - pw) * filled * (1.0 - by_one - by_two),
+                w * (1.0 - pw) * filled * by_one,
+                w * (1.0 - pw) * filled * by_two,
                 briefly * (1.0 - rides),
                 briefly * rides,
                 zeros,
@@ -420,6 +477,8 @@ class PrefillModel:
         in_stream = queued * share
         with_wait = np.concatenate(
             [
+                zeros,
+                zeros,
                 zeros,
                 zeros,
                 zeros,
@@ -462,6 +521,26 @@ class PrefillModel:
             cached = quantile_of_sum(self.service_s, self.weights, no_wait, quantile)
             self._floors[quantile] = cached
         return cached
+
+
+def _stream_drain_factor(*, workers: int, busy_load: float, packed_load: float) -> float:
+    """P(wait) of a pool whose workers, once all busy, drain the queue as a token
+    stream, over the Erlang C of one that drains it at the busy rate.
+
+    While some worker is idle every arrival starts alone on one (departures at the
+    busy rate, N mu for N busy); once all are busy arrivals queue and are taken at
+    boundaries with budget to spare, which drains the queue at the packed rate
+    N mu_p. The birth-death chain with those two rates has, with B = Erlang B(N, A)
+    at the busy load A, P(all busy) = B / (1 - rho_p + rho_p B) (rho_p the packed
+    utilisation), against Erlang C's B / (1 - rho + rho B); the factor is their
+    ratio, <= 1, and exactly 1 when packed and busy times agree. For non-Poisson
+    arrivals it scales the GI/M/N value (an approximation: the exact two-rate
+    GI/M/N boundary sums are not evaluated).
+    """
+    rho = busy_load / workers
+    rho_p = packed_load / workers
+    b = erlang_b(workers, busy_load)
+    return (1.0 - rho + rho * b) / (1.0 - rho_p + rho_p * b)
 
 
 def survival_of_sum(values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float) -> float:

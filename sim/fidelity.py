@@ -32,7 +32,7 @@ for long outputs on a loaded pool, longer than a short run). Each replication
 therefore runs a warm-up before and a cool-down after the measured window of
 ``requests`` arrivals (``transient_s``), and only the requests arriving inside the
 window are measured. The warm-up is the longer of a request's decode life (its 95th
-percentile at the predicted iteration time) and four relaxation times of the
+percentile at the predicted iteration time) and three relaxation times of the
 pool-wide batch, which a fuller pool's longer iterations stretch to 1 / (1 - rho)
 lives (``queueing.decode``); it is at least 5 % of the run. Measuring from an empty
 start would put batches, and TPOT, below their steady state exactly where decode
@@ -220,6 +220,7 @@ class CaseResult:
     tpot_sim: Measured
     prefill_decision: Decision | None
     decode_decision: Decision | None
+    replications: int  # at the case's own pools (more when run near the boundary)
 
     @property
     def ttft_err(self) -> float:
@@ -255,9 +256,10 @@ class Transient:
     cooldown_s: float
 
 
-# Relaxation times of warm-up: from empty, the pool-wide batch deviation decays like
-# e^(-t / tau), so after 4 tau it is below 2 % of the steady batch.
-WARMUP_RELAXATIONS = 4.0
+# Relaxation times of warm-up: near the steady state the pool-wide batch's deviation
+# decays like e^(-t / tau), so after 3 tau at most 5 % of it is left (less in fact:
+# from empty, with short iterations, the pool fills faster than that rate).
+WARMUP_RELAXATIONS = 3.0
 
 
 def transient_s(
@@ -299,6 +301,7 @@ def _simulate(
     requests: int,
     replications: int,
     transient: Transient,
+    first_replication: int = 0,
 ) -> tuple[list[float], list[float]]:
     config = ClusterConfig(
         prefill_workers=prefill_workers,
@@ -311,7 +314,7 @@ def _simulate(
     window_s = requests / rate
     duration_s = window_s / 0.95 + transient.warmup_s + transient.cooldown_s
     start_s, end_s = steady_window(duration_s, transient)
-    for replication in range(replications):
+    for replication in range(first_replication, first_replication + replications):
         rng = np.random.default_rng([case.seed, replication])
         arrivals = gamma_arrivals(rate_rps=rate, ca2=case.ca2, duration_s=duration_s, rng=rng)
         trace = synthesize(arrival_s=arrivals, lengths=samples, rng=rng, source=case.label)
@@ -344,8 +347,14 @@ def run_case(
     requests: int,
     replications: int,
     decisions: bool = True,
+    max_replications: int | None = None,
 ) -> CaseResult:
-    """Predict and simulate one case (and, with ``decisions``, its pools one smaller)."""
+    """Predict and simulate one case (and, with ``decisions``, its pools one smaller).
+
+    Near the boundary more replications decide more pools: while the simulated P99s
+    at N and N - 1 (or M and M - 1) are closer than their intervals, ``replications``
+    more are run at both sizes, up to ``max_replications`` in all.
+    """
     model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
     n = case.prefill_workers
     # ``rate`` is what the pools serve (the model's rate); the simulator is offered
@@ -356,40 +365,45 @@ def run_case(
     # The pools one smaller are run over the same window (their decode fills slower
     # still, but the SLO is drawn between the two and only their order matters).
     transient = transient_s(model, samples, decode_workers=m, rate=rate, ca2=case.ca2)
-    ttft, tpot = _simulate(
-        case,
-        samples,
-        model,
-        prefill_workers=n,
-        decode_workers=m,
-        rate=demand,
-        requests=requests,
-        replications=replications,
-        transient=transient,
-    )
-    ttft_sim, tpot_sim = measured(ttft), measured(tpot)
+
+    def simulate(workers: int, decode: int, first: int) -> tuple[list[float], list[float]]:
+        return _simulate(
+            case,
+            samples,
+            model,
+            prefill_workers=workers,
+            decode_workers=decode,
+            rate=demand,
+            requests=requests,
+            replications=replications,
+            transient=transient,
+            first_replication=first,
+        )
+
+    ttft, tpot = simulate(n, m, 0)
     prefill_decision = decode_decision = None
     if decisions:
-        below_ttft = below_tpot = None
+        t_below: list[float] = []
+        p_below: list[float] = []
         if n > 1 or m > 1:
             # Both pools one smaller in one run: neither pool's latency depends on the
             # other's size (the decode pool applies no back-pressure to prefill).
-            t_below, p_below = _simulate(
-                case,
-                samples,
-                model,
-                prefill_workers=max(1, n - 1),
-                decode_workers=max(1, m - 1),
-                rate=demand,
-                requests=requests,
-                replications=replications,
-                transient=transient,
-            )
+            t_below, p_below = simulate(max(1, n - 1), max(1, m - 1), 0)
+        rng = np.random.default_rng([case.seed, 1_000])
+        positions = float(rng.uniform(0.25, 0.75)), float(rng.uniform(0.25, 0.75))
+        limit = max(replications, max_replications or replications)
+        while True:
             below_ttft = measured(t_below) if n > 1 else None
             below_tpot = measured(p_below) if m > 1 else None
-        rng = np.random.default_rng([case.seed, 1_000])
-        ttft_slo, sim_n = _decide(ttft_sim, below_ttft, n, float(rng.uniform(0.25, 0.75)))
-        tpot_slo, sim_m = _decide(tpot_sim, below_tpot, m, float(rng.uniform(0.25, 0.75)))
+            ttft_slo, sim_n = _decide(measured(ttft), below_ttft, n, positions[0])
+            tpot_slo, sim_m = _decide(measured(tpot), below_tpot, m, positions[1])
+            done = len(ttft) + replications > limit
+            if done or (sim_n is not None and sim_m is not None):
+                break
+            more_t, more_p = simulate(n, m, len(ttft))
+            ttft, tpot = ttft + more_t, tpot + more_p
+            more_t, more_p = simulate(max(1, n - 1), max(1, m - 1), len(t_below))
+            t_below, p_below = t_below + more_t, p_below + more_p
         solver_n, solver_m = _solver_answer(model, rate, case.ca2, ttft_slo, tpot_slo)
         prefill_decision = Decision(slo_s=ttft_slo, simulated=sim_n, solver=solver_n)
         decode_decision = Decision(slo_s=tpot_slo, simulated=sim_m, solver=solver_m)
@@ -399,13 +413,14 @@ def run_case(
         ttft_pred_s=model.prefill.ttft_quantile_s(
             workers=n, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
         ),
-        ttft_sim=ttft_sim,
+        ttft_sim=measured(ttft),
         tpot_pred_s=model.decode.tpot_quantile_s(
             workers=m, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
         ),
-        tpot_sim=tpot_sim,
+        tpot_sim=measured(tpot),
         prefill_decision=prefill_decision,
         decode_decision=decode_decision,
+        replications=len(ttft),
     )
 
 
