@@ -327,3 +327,19 @@ def test_created_is_the_time_of_the_request_not_of_the_router(
     assert plain["created"] == 1_800_003_600
     assert {c["created"] for c in chat[:-1]} == {1_800_003_600}
     assert models["data"][0]["created"] == 1_800_000_000
+
+
+def test_n_choices_that_do_not_all_fit_the_queue_are_a_429_and_none_stays_queued(
+    start_router: RouterFactory,
+    streams: Streams,
+    registered: None,  # noqa: F811
+) -> None:
+    """No worker takes anything: two choices fit the queue, the third does not."""
+    served = start_router(max_queued_requests=2)
+    resp = post(served.url, "/v1/completions", {"prompt": "x", "n": 3})
+    assert resp.status_code == 429 and resp.json()["error"]["code"] == "queue_full"
+    depth = streams.queue_depth(Pool.PREFILL)
+    assert (depth.waiting, depth.in_service) == (0, 0)
+    text = httpx.get(f"{served.url}/metrics", timeout=5).text
+    assert 'sara_request_outcomes_total{outcome="rejected"} 1.0' in text
+    assert 'sara_request_outcomes_total{outcome="cancelled"} 2.0' in text
