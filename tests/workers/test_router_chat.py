@@ -343,3 +343,29 @@ def test_n_choices_that_do_not_all_fit_the_queue_are_a_429_and_none_stays_queued
     text = httpx.get(f"{served.url}/metrics", timeout=5).text
     assert 'sara_request_outcomes_total{outcome="rejected"} 1.0' in text
     assert 'sara_request_outcomes_total{outcome="cancelled"} 2.0' in text
+
+
+def test_a_client_that_leaves_a_stream_of_n_choices_cancels_every_one(
+    redis_server: RedisServer, start_router: RouterFactory, streams: Streams
+) -> None:
+    slow = ProtocolWorker(redis_server.url, tpot_s=0.05, name="slow").start()
+    try:
+        served = start_router()
+        body = {"prompt": "a", "max_tokens": 200, "n": 2, "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=10) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        response_id = json.loads(first[6:])["id"]
+        choices = [f"{response_id}.{i}" for i in range(2)]
+        deadline = time.monotonic() + 5
+        while streams.cancelled(choices) != set(choices):
+            assert time.monotonic() < deadline, streams.cancelled(choices)
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while (text := httpx.get(f"{served.url}/metrics", timeout=5).text) and (
+            "sara_router_inflight_requests 0.0" not in text
+        ):
+            assert time.monotonic() < deadline, "requests still in flight"
+            time.sleep(0.05)
+        assert 'sara_request_outcomes_total{outcome="cancelled"} 2.0' in text
+    finally:
+        slow.stop()
