@@ -728,11 +728,15 @@ class Router:
             code="request_timeout",
         )
 
-    async def _tokenized(self, text: str, tokenize: Tokenize, param: str) -> list[int]:
+    async def _tokenized(
+        self, text: Any, tokenize: Callable[[Any], Sequence[int]], param: str
+    ) -> list[int]:
         try:
             # A worker thread: a long prompt must not stall every other stream.
             tokens = await anyio.to_thread.run_sync(tokenize, text)
             return [int(t) for t in tokens]
+        except ChatError:
+            raise  # the template refused the messages: said as such by the caller
         except (ValueError, TypeError) as exc:
             raise _invalid(f"the {param} cannot be tokenised: {exc}", param) from exc
 
@@ -763,14 +767,19 @@ class Router:
         return ids
 
     async def chat_ids(self, body: ChatBody) -> list[int]:
+        template, tokenize = self.chat_template, self.tokenize_chat
+
+        def rendered(messages: Any) -> Sequence[int]:
+            return tokenize(template.render(messages))
+
         try:
-            messages = parse_messages(body.messages)
-            text = self.chat_template.render(messages)
+            # Rendered with the tokenising, in a worker thread: a long conversation
+            # through a Jinja template must not stall the streams either.
+            ids = await self._tokenized(parse_messages(body.messages), rendered, "messages")
         except ChatError as exc:
             raise _invalid(
                 str(exc), exc.param, "unsupported" if exc.unsupported else "invalid_value"
             ) from exc
-        ids = await self._tokenized(text, self.tokenize_chat, "messages")
         if not ids:
             raise _invalid("messages: the chat template rendered them to no tokens", "messages")
         return ids

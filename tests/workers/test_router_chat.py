@@ -369,3 +369,37 @@ def test_a_client_that_leaves_a_stream_of_n_choices_cancels_every_one(
         assert 'sara_request_outcomes_total{outcome="cancelled"} 2.0' in text
     finally:
         slow.stop()
+
+
+def test_a_chat_the_models_template_refuses_is_a_400_with_its_message(
+    redis_server: RedisServer, worker: ProtocolWorker
+) -> None:
+    pytest.importorskip("jinja2")
+    from workers.router_chat import jinja_chat_template
+
+    template = jinja_chat_template(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('users speak first') }}"
+        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        {},
+    )
+    config = RouterConfig(
+        redis_url=redis_server.url,
+        max_context_tokens=512,
+        vocab_size=256,
+        key_prefix=KEYS.prefix,
+        poll_block_ms=100,
+    )
+    app = create_router_app(
+        config, tokenize=byte_tokenize, detokenize=byte_detokenize, chat_template=template
+    )
+    server = ServerThread(app).start()
+    try:
+        refused = post(server.url, "/v1/chat/completions", {"messages": [SYSTEM, USER]})
+        served = post(server.url, "/v1/chat/completions", {"messages": [USER], "max_tokens": 2})
+    finally:
+        server.stop()
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "messages" and "users speak first" in error["message"]
+    assert served.status_code == 200
+    assert served.json()["usage"]["prompt_tokens"] == len(byte_tokenize("Hello"))
