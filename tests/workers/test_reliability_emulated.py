@@ -34,7 +34,7 @@ from tests.workers.test_reliability import (
     load,
 )
 from workers.checkpoint import write_tiny_checkpoint
-from workers.protocol import GROUPS, KeySpace
+from workers.protocol import KeySpace
 from workers.redis_util import RedisServer, free_port
 
 PER_POOL = 8
