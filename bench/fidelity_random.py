@@ -26,7 +26,18 @@ import numpy as np
 from queueing.catalog import MODELS, resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.profile import IterationProfile
-from sim.fidelity import Case, CaseResult, Decision, draw_cases, run_case
+from queueing.solver import CapacityModel
+from sim.cluster import ClusterConfig
+from sim.fidelity import (
+    LINK,
+    Case,
+    CaseResult,
+    Decision,
+    decode_workers_for,
+    draw_cases,
+    run_case,
+)
+from sim.workload import gamma_arrivals, synthesize
 
 PROFILES = (
     "llama-3-8b@h100-sxm",
@@ -204,3 +215,57 @@ def main(*, seed: int, cases: int, requests: int, replications: int, jobs: int) 
     print(decision_summary("prefill", prefill))
     print(decision_summary("decode", decode))
     print(decision_summary("both", prefill + decode))
+
+
+def probe_wait(*, seed: int, cases: int, index: int, requests: int) -> None:
+    """One drawn case's probability of waiting: the share of arrivals that find no
+    idle prefill worker in the simulator (one run of ``requests``, its first 5 %
+    left out), against the model's P_w."""
+    import sim.cluster
+
+    profiles = [resolve_profile(name) for name in PROFILES]
+    long_profiles = [resolve_profile(name) for name in LONG_PROFILES]
+    contexts = {p.name: max_context(p) for p in (*profiles, *long_profiles)}
+    case, samples = draw_cases(
+        cases,
+        profiles=profiles,
+        long_profiles=long_profiles,
+        max_context=contexts,
+        rng=np.random.default_rng(seed),
+    )[index]
+    model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
+    n = case.prefill_workers
+    rate = case.utilisation * n / model.prefill.mean_service_s
+    config = ClusterConfig(
+        prefill_workers=n,
+        decode_workers=decode_workers_for(model, rate, case.ca2, case.utilisation),
+        profile=case.profile,
+        token_budget=model.token_budget,
+        kv_link_bytes_per_s=LINK.bytes_per_s,
+    )
+    rng = np.random.default_rng([case.seed, 0])
+    duration_s = requests / rate
+    arrivals = gamma_arrivals(
+        rate_rps=rate / (1.0 - model.rejected_share), ca2=case.ca2, duration_s=duration_s, rng=rng
+    )
+    trace = synthesize(arrival_s=arrivals, lengths=samples, rng=rng, source=case.label)
+    cluster = sim.cluster.Cluster(config, trace)
+    found: list[tuple[float, bool]] = []
+    on_arrival = cluster._on_arrival
+
+    def recording(r: int) -> None:
+        if not cluster._rejected[r]:
+            none_idle = all(w.plan is not None for w in cluster._prefill)
+            found.append((cluster.now_s, none_idle))
+        on_arrival(r)
+
+    cluster._on_arrival = recording  # type: ignore[method-assign]
+    cluster.run()
+    shares = [busy for t, busy in found if t >= 0.05 * duration_s]
+    tail = model.prefill.wait_tail(workers=n, arrival_rate_rps=rate, ca2=case.ca2)
+    print(
+        f"seed {seed} case {index}: {case.label}, {case.profile.name}, N {n}, "
+        f"ca2 {case.ca2:g}, u {case.utilisation:.2f}: arrivals finding no idle prefill "
+        f"worker {sum(shares) / len(shares):.3f} simulated, P_w {tail.wait_probability:.3f} "
+        "model"
+    )

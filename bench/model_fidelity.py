@@ -17,6 +17,7 @@ half-width of a t-interval (95 %) over the replications, relative to the mean.
     .venv/bin/python bench/model_fidelity.py --quick    # fewer requests and rows
     .venv/bin/python bench/model_fidelity.py --random   # drawn cases (bench/fidelity_random.py)
     .venv/bin/python bench/model_fidelity.py --random --quick
+    .venv/bin/python bench/model_fidelity.py --random --quick --probe-wait 6   # one case's P_w
 """
 
 from __future__ import annotations
@@ -170,10 +171,24 @@ def main() -> None:
     parser.add_argument("--random", action="store_true", help="drawn cases instead of the table")
     parser.add_argument("--seed", type=int, default=2026, help="--random: the cases' seed")
     parser.add_argument("--cases", type=int, default=60, help="--random: how many cases")
+    parser.add_argument(
+        "--probe-wait",
+        type=int,
+        metavar="INDEX",
+        help="--random: case INDEX's probability of waiting, simulated and modelled",
+    )
     args = parser.parse_args()
     if args.random:
         import fidelity_random
 
+        if args.probe_wait is not None:
+            fidelity_random.probe_wait(
+                seed=args.seed,
+                cases=16 if args.quick else args.cases,
+                index=args.probe_wait,
+                requests=20_000,
+            )
+            return
         fidelity_random.main(
             seed=args.seed,
             cases=16 if args.quick else args.cases,

@@ -29,6 +29,7 @@ from queueing.lengths import LengthSamples
 from queueing.profile import IterationProfile
 from sim.cluster import Cluster, ClusterConfig
 from sim.trace import Trace
+from sim.workload import gamma_arrivals
 
 T0_S, COST_S = 0.005, 0.001  # c = t0 / a = 5
 # Not tests.profiles.TEST_8B: for the batch law to hold exactly every member must
@@ -64,12 +65,18 @@ class Measured:
     rate_rps: float
 
 
-def simulated_batch(workers: int, rho: float, duration_s: float, seed: int) -> Measured:
-    """The batch of ``workers`` decode workers at per-worker load ``rho``."""
+def simulated_batch(
+    workers: int, rho: float, duration_s: float, seed: int, ca2: float = 1.0
+) -> Measured:
+    """The batch of ``workers`` decode workers at per-worker load ``rho``, arrivals a
+    Gamma renewal process of SCV ``ca2`` (Poisson by default)."""
     rng = np.random.default_rng(seed)
     outputs = np.maximum(2, np.rint(rng.lognormal(math.log(40.0), 0.8, 100_000))).astype(np.int64)
     rate = rho * workers / (float((outputs - 1).mean()) * COST_S)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, int(rate * duration_s)))
+    if ca2 == 1.0:
+        arrivals = np.cumsum(rng.exponential(1.0 / rate, int(rate * duration_s)))
+    else:
+        arrivals = gamma_arrivals(rate_rps=rate, ca2=ca2, duration_s=duration_s, rng=rng)
     count = len(arrivals)
     trace = Trace(
         arrival_s=arrivals - arrivals[0],
