@@ -340,6 +340,13 @@ def _decide(
     return slo_s, workers if decided else None
 
 
+def _resolvable(at_n: Measured, below: Measured) -> bool:
+    """Whether more replications could tell the pool from the one smaller: their
+    P99s differ by more than 1 % (when both sit at the latency floor, at no wait, no
+    number of replications separates them)."""
+    return below.mean_s - at_n.mean_s > 0.01 * at_n.mean_s
+
+
 def run_case(
     case: Case,
     samples: LengthSamples,
@@ -352,8 +359,9 @@ def run_case(
     """Predict and simulate one case (and, with ``decisions``, its pools one smaller).
 
     Near the boundary more replications decide more pools: while the simulated P99s
-    at N and N - 1 (or M and M - 1) are closer than their intervals, ``replications``
-    more are run at both sizes, up to ``max_replications`` in all.
+    at N and N - 1 (or M and M - 1) are closer than their intervals but more than 1 %
+    apart, ``replications`` more are run at both sizes, up to ``max_replications`` in
+    all.
     """
     model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
     n = case.prefill_workers
@@ -398,7 +406,15 @@ def run_case(
             ttft_slo, sim_n = _decide(measured(ttft), below_ttft, n, positions[0])
             tpot_slo, sim_m = _decide(measured(tpot), below_tpot, m, positions[1])
             done = len(ttft) + replications > limit
-            if done or (sim_n is not None and sim_m is not None):
+            open_pools = [
+                (measured(at), below)
+                for at, below, decided in (
+                    (ttft, below_ttft, sim_n is not None),
+                    (tpot, below_tpot, sim_m is not None),
+                )
+                if not decided and below is not None
+            ]
+            if done or not any(_resolvable(at, below) for at, below in open_pools):
                 break
             more_t, more_p = simulate(n, m, len(ttft))
             ttft, tpot = ttft + more_t, tpot + more_p
