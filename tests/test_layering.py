@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.without_torch import BLOCK_TORCH
+
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = {"queueing", "sim", "controller", "workers", "dashboards", "cli"}
 ADAPTER_LIBRARIES = {
@@ -114,10 +116,10 @@ def test_the_pure_layers_use_no_io_or_runtime_library(path: Path) -> None:
 
 def test_the_simulator_controller_cli_and_pure_workers_import_without_torch() -> None:
     code = (
-        "import sys; sys.modules['torch'] = None\n"
-        "import workers, workers.scheduler, workers.kv_cache, sim.cluster, queueing.solver\n"
+        BLOCK_TORCH
+        + "import workers, workers.scheduler, workers.kv_cache, sim.cluster, queueing.solver\n"
         "import cli.__main__\n"
-        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "assert 'torch' not in sys.modules\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

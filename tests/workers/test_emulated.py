@@ -21,6 +21,7 @@ pytest.importorskip("torch")
 
 from queueing.pools import Pool
 from tests.profiles import TEST_8B as TEST_PROFILE
+from tests.without_torch import BLOCK_TORCH
 from workers.decode_worker import DecodeWorker
 from workers.emulated import (
     DEFAULT_KV_SCALE,
@@ -363,9 +364,7 @@ def test_the_parsers_kv_scale_default_is_the_engines() -> None:
 def test_without_torch_sara_worker_and_serve_say_what_to_install_in_one_line(
     verb: list[str], tmp_path: Any
 ) -> None:
-    blocked = (
-        "import sys; sys.modules['torch'] = None; from cli.__main__ import main; main(sys.argv[1:])"
-    )
+    blocked = BLOCK_TORCH + "from cli.__main__ import main; main(sys.argv[1:])"
     argv = [str(tmp_path) if a == "STATE" else a for a in verb]
     out = subprocess.run(
         [sys.executable, "-c", blocked, *argv], capture_output=True, text=True, timeout=60
