@@ -119,7 +119,7 @@ def test_a_non_default_config_still_passes_promtool(tmp_path: Path) -> None:
     ("kwargs", "field"),
     [
         ({"ttft_slo_s": 1.9}, "ttft_slo_s"),
-        ({"tpot_slo_s": 0.11}, "tpot_slo_s"),
+        ({"tpot_slo_s": 0.115}, "tpot_slo_s"),  # between bucket bounds
         ({"objective": 1.0}, "objective"),
         ({"objective": 0.0}, "objective"),
         ({"scale_up_stuck_for": "10 minutes"}, "scale_up_stuck_for"),
