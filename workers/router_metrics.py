@@ -43,10 +43,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from queueing.pools import Pool
 
 # Within a bucket ``histogram_quantile`` interpolates linearly, so a P99 read from a
-# window's histogram can sit anywhere in its bucket: with neighbours 1.33x apart a
-# TPOT whose P99 is 61 ms read 75-77 ms, and the controller, taking that as the
-# model's error, kept a pool the simulator (reading exact P99s) had let go. Steps of
-# at most 1.17x bound that error to a sixth of the value. Every bound of the coarser
+# window's histogram can sit anywhere in its bucket: with neighbours 1.33x apart it
+# can be off by a third, which the controller takes for the model's error (its
+# calibration) and sizes on, where the simulator reads exact P99s. Steps of at most
+# 1.17x bound that error to a sixth of the value. Every bound of the coarser
 # grid (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8) is kept, so SLOs set on one stay bounds.
 _DENSE = (
     1.0, 1.1, 1.2, 1.25, 1.3, 1.4, 1.5, 1.6, 1.8, 2.0, 2.2, 2.5, 2.8, 3.0, 3.3, 3.6, 4.0,
