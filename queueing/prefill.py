@@ -51,7 +51,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import signal
 
 from queueing.erlang import erlang_b
 from queueing.ggc import WaitTail, ggc_wait_tail
@@ -175,7 +174,9 @@ def _partial_fills(
     cap = int(spare.max()) + 1
     n = len(lengths)
     one = np.bincount(np.minimum(lengths, cap).astype(np.int64), minlength=cap + 1) / n
-    two = signal.fftconvolve(one, one)[: cap + 1]
+    # The sum of two lengths: the pmf convolved with itself (by FFT, zero-padded).
+    size = 2 * len(one)
+    two = np.fft.irfft(np.fft.rfft(one, size) ** 2, size)[: cap + 1]
     grid = np.arange(cap + 1, dtype=np.float64)
     index = np.maximum(spare.astype(np.int64) - 1, 0)
     result = []
