@@ -16,6 +16,13 @@ from controller.policy.steady import transient
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.pools import PerPool, Pool
 
+# The SLOs are P99s. A window of n requests has order statistics at the ranks
+# k / (n + 1): below n = 1 / (1 - 0.99) = 100 none lies above the 99th percentile,
+# so its "P99" is its maximum's neighbourhood — an estimate of the 1 - 1/n quantile,
+# biased low and as noisy as one sample. Such a window says nothing about the model's
+# P99 error, and learning from it walked the factor to its bounds on calm traffic.
+MIN_REQUESTS_FOR_P99 = 100
+
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
@@ -77,6 +84,12 @@ def calibrate_pool(
         since_s = now_s - pstate.transient_s
         if since_s <= config.window_s:
             why = f"a transient {since_s:.0f} s ago is still in the {config.window_s:g}-s window"
+    requests = (observation.arrival_rate_rps or 0.0) * config.window_s
+    if why is None and requests < MIN_REQUESTS_FOR_P99:
+        why = (
+            f"about {requests:.0f} requests in the {config.window_s:g}-s window, fewer than "
+            f"the {MIN_REQUESTS_FOR_P99} a P99 needs"
+        )
     if why is not None:
         return Calibration(
             factor=pstate.calibration,

@@ -369,6 +369,22 @@ def test_calibration_is_bounded_and_follows_observed_over_predicted() -> None:
     assert d1.pools.prefill.model_error == pytest.approx(9.0)
 
 
+def test_a_window_too_small_for_a_p99_teaches_calibration_nothing() -> None:
+    # 2 req/s over the 30-s window: 60 requests, whose top rank sits below their
+    # 99th percentile — the window's "P99" is its maximum's neighbourhood.
+    rate = 2.0
+    assert rate * CONFIG.window_s < 1 / (1 - 0.99)
+    d0 = decide(observation(0.0, rate, 2, 1), ControllerState(), CONFIG, now_s=0.0)
+    predicted = d0.state.pools.prefill.predicted_p99_s
+    assert predicted is not None
+    d1 = decide(observation(30.0, rate, 2, 1, ttft=predicted * 10), d0.state, CONFIG, now_s=30.0)
+    assert d1.state.pools.prefill.calibration == 1.0
+    assert d1.pools.prefill.model_error == pytest.approx(9.0)  # still reported
+    assert any(
+        r.reason is Reason.CALIBRATION_FROZEN and r.pool is Pool.PREFILL for r in d1.reasons
+    )
+
+
 def test_state_survives_a_json_round_trip() -> None:
     d = decide(observation(0.0, 8.0, 1, 1), ControllerState(), CONFIG, now_s=0.0)
     again = ControllerState.from_dict(d.state.to_dict())
