@@ -137,7 +137,8 @@ def demo_config(
     """The controller's defaults, with its time constants shrunk with the workers'
     startup so that the demo fits in minutes: a tick every 4 s, a scale-up allowed
     every tick and by up to the pool's size, the rate forecast over one startup plus
-    one tick (the defaults are sized for minutes-long startups and 30-s ticks)."""
+    one tick, that startup assumed until one is measured (the defaults are sized for
+    minutes-long startups and 30-s ticks)."""
     from controller.config import ControllerConfig
 
     config = ControllerConfig().to_dict()
@@ -166,6 +167,10 @@ def demo_config(
         "trend_window_s": 30.0,
         "bin_s": 2.0,
     }
+    # Until a pool's first scale-up is measured, its lead time is this prior: the
+    # default (120 s, a large model's start-up) would have the forecast extrapolate
+    # the burst's ramp two minutes ahead on workers that start in seconds.
+    config["lead_time"] = {**config["lead_time"], "startup_prior_s": startup_s}
     return config
 
 
