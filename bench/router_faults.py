@@ -136,6 +136,18 @@ def overload(url: str, n: int, *, nice: int) -> Counter[int]:
     return Counter({int(k): v for k, v in json.loads(out).items()})
 
 
+def start_workers(work: Path, redis_url: str, model: Path) -> list[subprocess.Popen[bytes]]:
+    """One emulated prefill and one emulated decode worker, logging into ``work``."""
+    return [
+        subprocess.Popen(
+            cli("worker", pool, "--engine", "emulated", "--profile", PROFILE, "--startup-s",
+                "0", "--redis", redis_url, "--model", str(model)),
+            stdout=(work / f"{pool}.log").open("wb"), stderr=subprocess.STDOUT,
+        )
+        for pool in ("prefill", "decode")
+    ]  # fmt: skip
+
+
 def load_average() -> str:
     return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
 
@@ -203,14 +215,7 @@ def main() -> int:
             stdout=(work / "router.log").open("wb"), stderr=subprocess.STDOUT,
         )
     ]  # fmt: skip
-    for pool in ("prefill", "decode"):
-        procs.append(
-            subprocess.Popen(
-                cli("worker", pool, "--engine", "emulated", "--profile", PROFILE, "--startup-s",
-                    "0", "--redis", server.url, "--model", str(model)),
-                stdout=(work / f"{pool}.log").open("wb"), stderr=subprocess.STDOUT,
-            )
-        )  # fmt: skip
+    procs += start_workers(work, server.url, model)
     try:
         wait_ready(url)
         print(f"1. {args.concurrent} concurrent requests, one prefill and one decode worker "

@@ -73,7 +73,7 @@ def profiled_router(out_dir: Path, argv: list[str]) -> int:
 
 
 def main() -> int:
-    from router_faults import PROBE, PROFILE, cli, load_average, overload, wait_ready
+    from router_faults import PROBE, PROFILE, load_average, overload, start_workers, wait_ready
 
     from controller.profiles import load_profile
     from workers.emulated import model_card
@@ -98,14 +98,7 @@ def main() -> int:
             stdout=(work / "router.log").open("wb"), stderr=subprocess.STDOUT,
         )
     ]  # fmt: skip
-    for pool in ("prefill", "decode"):
-        procs.append(
-            subprocess.Popen(
-                cli("worker", pool, "--engine", "emulated", "--profile", PROFILE, "--startup-s",
-                    "0", "--redis", server.url, "--model", str(model)),
-                stdout=(work / f"{pool}.log").open("wb"), stderr=subprocess.STDOUT,
-            )
-        )  # fmt: skip
+    procs += start_workers(work, server.url, model)
     try:
         wait_ready(url)
         print(f"{args.concurrent} concurrent requests; {load_average()}")
