@@ -47,7 +47,7 @@ from sim.cluster import Cluster, ClusterConfig
 from sim.trace_io import load_trace
 from sim.workload import summarize
 from workers.emulated import context_tokens
-from workers.redis_util import free_port
+from workers.redis_util import free_port, free_port_block
 
 METRIC = re.compile(
     r"^(sara_worker_iteration_seconds_sum|sara_worker_emulated_profile_seconds_total"
@@ -88,9 +88,9 @@ def live(
         "decode": {"min_replicas": decode, "max_replicas": decode},
     }
     (work / "config.json").write_text(json.dumps(config))
-    router_port, api_port, pre_port, dec_port = free_port(), free_port(), free_port(), free_port()
-    # Ports are consecutive from the first; pick bases far apart so they do not overlap.
-    dec_port = pre_port + 100
+    router_port, api_port = free_port(), free_port()
+    pre_port = free_port_block(prefill + decode)  # worker i's metrics on base + i
+    dec_port = pre_port + prefill
     router, api = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{api_port}"
     log = (work / "serve.log").open("w")
     serve = subprocess.Popen(

@@ -392,7 +392,7 @@ def main_torch(args: argparse.Namespace) -> int:
         Phase(name="after", rate_scale=args.calm_rate, duration_s=args.after_s),
     ]
     from cli import demo as planning
-    from workers.redis_util import free_port
+    from workers.redis_util import free_port, free_port_block
 
     started = time.monotonic()
 
@@ -405,6 +405,7 @@ def main_torch(args: argparse.Namespace) -> int:
         config_file = work / "config.json"
         config_file.write_text(json.dumps(controller_config(profile, args.ttft_p99, args.tpot_p99)))
         router_port, api_port = free_port(), free_port()
+        ports = free_port_block(3 + 2)  # worker i's metrics on base + i (pools 1-3, 1-2)
         router, api = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{api_port}"
         serve_log = (out / "serve.log").open("w")
         serve = subprocess.Popen(
@@ -423,9 +424,9 @@ def main_torch(args: argparse.Namespace) -> int:
                 "--token-budget",
                 "256",
                 "--prefill-port",
-                str(free_port()),
+                str(ports),
                 "--decode-port",
-                str(free_port()),
+                str(ports + 3),
                 "--grace-period-s",
                 "20",
             ),

@@ -47,6 +47,7 @@ from cli.live_demo import (
 from sim.trace import Trace
 
 POLL_S = 2.0
+PREFILL_MAX, DECODE_MAX = 8, 4  # the pools' limits in the demo
 
 
 RAMP_STEP_S = 5.0
@@ -157,8 +158,8 @@ def demo_config(
         scale_up_cooldown_s=interval_s,
         scale_down_cooldown_s=12.0,
         scale_down_stabilisation_s=20.0,
-        prefill={"min_replicas": 1, "max_replicas": 8},
-        decode={"min_replicas": 1, "max_replicas": 4},
+        prefill={"min_replicas": 1, "max_replicas": PREFILL_MAX},
+        decode={"min_replicas": 1, "max_replicas": DECODE_MAX},
     )
     config["forecast"] = {
         **config["forecast"],
@@ -404,7 +405,7 @@ def main_emulated(args: argparse.Namespace) -> int:
     from queueing.solver import SloTargets
     from sim.trace_io import load_trace
     from workers.emulated import EMULATED_VOCAB_SIZE, context_tokens
-    from workers.redis_util import free_port
+    from workers.redis_util import free_port, free_port_block
 
     started = time.monotonic()
     out = Path(args.out)
@@ -451,6 +452,7 @@ def main_emulated(args: argparse.Namespace) -> int:
         work = Path(tmp)
         (work / "config.json").write_text(json.dumps(config))
         router_port, api_port = free_port(), free_port()
+        ports = free_port_block(PREFILL_MAX + DECODE_MAX)  # worker i's metrics: base + i
         router, api = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{api_port}"
         prometheus = start_prometheus(work, router_port)
         source = ["--prometheus", prometheus[1]] if prometheus else []
@@ -480,9 +482,9 @@ def main_emulated(args: argparse.Namespace) -> int:
                 "--startup-s",
                 str(args.startup_s),
                 "--prefill-port",
-                str(free_port()),
+                str(ports),
                 "--decode-port",
-                str(free_port()),
+                str(ports + PREFILL_MAX),
                 "--grace-period-s",
                 "30",
                 *source,

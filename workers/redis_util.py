@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -63,6 +64,49 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out to outgoing connections (Linux's default if unknown)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        low, high = (int(x) for x in text.split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_port_block(count: int, host: str = LOOPBACK, *, seed: int | None = None) -> int:
+    """The first of ``count`` consecutive TCP ports, all free on ``host`` a moment ago.
+
+    Workers bind base + i as they start, seconds or minutes later. A block taken from
+    the kernel's ephemeral range (where ``free_port`` draws) can meanwhile be taken by
+    any outgoing connection — a load generator's hundreds of them — and the worker
+    then dies on "address already in use"; so the block is sought below that range,
+    starting at a random block so that concurrent runs rarely try the same one.
+    """
+    if count < 1:
+        raise ValueError(f"count: expected at least 1 port, got {count!r}")
+    low, _ = ephemeral_port_range()
+    first, last = 10_000, low - count  # above the well-known and registered-by-habit ports
+    if last < first:
+        raise OSError(f"no room for {count} ports below the ephemeral range starting at {low}")
+    blocks = range(first, last + 1, count)
+    start = random.Random(seed).randrange(len(blocks))
+    for k in range(len(blocks)):
+        base = blocks[(start + k) % len(blocks)]
+        if all(_bindable(host, port) for port in range(base, base + count)):
+            return base
+    raise OSError(f"no {count} consecutive free ports on {host} below {low}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def ping(host: str, port: int, *, timeout_s: float = 0.5) -> bool:
