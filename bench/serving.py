@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,24 @@ async def _served_batch(url: str, batch: list[list[int]], max_tokens: int) -> fl
     return len(batch) * max_tokens / elapsed
 
 
+
+def wait_ready(
+    url: str, procs: list[subprocess.Popen[bytes]], close: Callable[[], None], logs: Path
+) -> None:
+    """Until the router's ``/readyz`` answers 200 (2 min at most); if it never does, or
+    a process of the stack exits first, ``close`` the stack and raise."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            close()
+            raise RuntimeError(f"the stack did not become ready; logs in {logs}")
+        time.sleep(0.2)
+
 class ServedStack:
     """Redis, the router and one worker per pool, as ``sara serve`` runs them."""
 
@@ -136,17 +155,7 @@ class ServedStack:
                 for pool in ("prefill", "decode")
             ),
         ]
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.close()
-                raise RuntimeError(f"the stack did not become ready; logs in {logs}")
-            time.sleep(0.2)
+        wait_ready(self.url, self.procs, self.close, logs)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -319,17 +328,7 @@ class EmulatedStack:
                         stderr=subprocess.STDOUT,
                     )
                 )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.close()
-                raise RuntimeError(f"the stack did not become ready; logs in {work}")
-            time.sleep(0.2)
+        wait_ready(self.url, self.procs, self.close, work)
         time.sleep(1.0)  # every worker registered
 
     def close(self) -> None:
