@@ -30,7 +30,9 @@ Load enters through the other members of the batch:
   acts through the pool's total (workers take arrivals at their iteration
   boundaries, so in iteration time every worker sees the same arrival rate and the
   workers' differences are Poisson): of a worker's variance, a share 1 - 1/M is
-  Poisson and 1/M is the pool-wide mode, amplified by 1 / (1 - rho), which also
+  Poisson — but for the clusters of bursty arrivals that one worker takes whole
+  (every request since the pool's previous boundary, ``DecodeModel._clustered_pairs``)
+  — and 1/M is the pool-wide mode, amplified by 1 / (1 - rho), which also
   stretches that mode's correlation time by 1 / (1 - rho) (a diffusion's variance
   is its noise times its relaxation time; the noise is unchanged). A request
   averages the batch cost over its own life, which shrinks the variance by
@@ -56,7 +58,7 @@ import numpy as np
 from scipy import special
 
 from queueing.lengths import FloatArray, LengthSamples, stratify
-from queueing.prefill import UnstableQueueError
+from queueing.prefill import UnstableQueueError, prefill_service_s
 from queueing.profile import IterationProfile
 
 
@@ -89,6 +91,10 @@ class DecodeModel:
     reserved_blocks: float  # time-weighted E[blocks reserved by a member]
     reserved_blocks_sq: float
     kappa: float
+    # |D1 - D2| of pairs of requests, D = solo prefill + handoff, and the pairs' weights:
+    # how far apart two requests that arrive together reach the decode pool.
+    delay_gaps_s: FloatArray
+    delay_gap_weights: FloatArray
     t0_s: float
     max_batch: int
     kv_capacity_blocks: int
@@ -101,6 +107,7 @@ class DecodeModel:
         profile: IterationProfile,
         *,
         max_batch: int,
+        prefill_token_budget: int,
         kv_link_bytes_per_s: float,
         kv_link_latency_s: float = 0.0,
         block_size_tokens: int = 16,
@@ -137,6 +144,9 @@ class DecodeModel:
         counts = np.bincount(n.astype(np.int64))
         at_least = 1.0 - np.concatenate([[0.0], np.cumsum(counts)[:-1]]) / len(n)
         kappa = float((at_least[1:] ** 2).sum()) / float(n.mean())
+        gaps, gap_weights = _delay_gaps(
+            prefill_service_s(profile, prompt, prefill_token_budget) + handoff
+        )
 
         return cls(
             weights=strata.weights,
@@ -153,6 +163,8 @@ class DecodeModel:
             reserved_blocks=float((n * blocks).sum()) / total_steps,
             reserved_blocks_sq=float((n * blocks**2).sum()) / total_steps,
             kappa=min(1.0, kappa),
+            delay_gaps_s=gaps,
+            delay_gap_weights=gap_weights,
             t0_s=profile.t0_s,
             max_batch=max_batch,
             kv_capacity_blocks=profile.kv_capacity_tokens // block_size_tokens,
@@ -187,7 +199,8 @@ class DecodeModel:
                 f"{arrival_rate_rps:.4g} req/s (per-token work exceeds the iteration time)"
             )
         rho = demand * self.member_cost_s
-        spread = self._spread(rho=rho, workers=workers, ca2=ca2)
+        own, pooled = self._shares(rho=rho, workers=workers, ca2=ca2, rate_w=rate)
+        spread = own + pooled
         # lambda E[n] = E[B / T(B)] (members' steps per second); to second order in the
         # batch's variance spread * B this gives the mean batch below, which is the
         # negative binomial's mean exactly at one worker with Poisson arrivals.
@@ -217,23 +230,63 @@ class DecodeModel:
     def _dispersion(self, ca2: float) -> float:
         return max(1e-9, 1.0 + (ca2 - 1.0) * self.kappa)
 
-    def _spread(self, *, rho: float, workers: int, ca2: float) -> float:
-        """A worker's batch variance over its mean: the workers' differences, a share
-        1 - 1/M, Poisson; the pool-wide mode, a share 1/M, carrying the arrivals'
-        dispersion (Whitt's GI/G/inf factor) amplified by 1 / (1 - rho) (module
-        docstring)."""
-        return (1.0 - 1.0 / workers) + self._dispersion(ca2) / (workers * (1.0 - rho))
+    def _shares(
+        self, *, rho: float, workers: int, ca2: float, rate_w: float
+    ) -> tuple[float, float]:
+        """A worker's batch variance over its mean, as its own share and the pool-wide
+        mode's. The workers' differences, a share 1 - 1/M, are Poisson but for the
+        arrivals' clusters that one worker takes whole; the pool-wide mode, a share
+        1/M, carries the arrivals' dispersion (Whitt's GI/G/inf factor) amplified by
+        1 / (1 - rho) (module docstring)."""
+        pooled = self._dispersion(ca2) / (workers * (1.0 - rho))
+        own = 1.0 - 1.0 / workers
+        if own > 0.0 and ca2 != 1.0:
+            own *= max(
+                1e-9,
+                1.0
+                + 2.0
+                * self.kappa
+                * self._clustered_pairs(
+                    workers=workers,
+                    ca2=ca2,
+                    rate_w=rate_w,
+                    iteration_s=(self.t0_s / (1.0 - rho) + self.member_cost_s * (own + pooled)),
+                ),
+            )
+        return own, pooled
 
-    def _averaged_spread(self, *, rho: float, workers: int, ca2: float) -> FloatArray:
-        """Per class, what a request keeps of ``_spread`` when it averages the batch
+    def _clustered_pairs(
+        self, *, workers: int, ca2: float, rate_w: float, iteration_s: float
+    ) -> float:
+        """Pairs of decode arrivals, per arrival and beyond Poisson's, that one worker
+        takes together.
+
+        A worker at its boundary takes every request that reached the pool since the
+        previous boundary of any worker: a window of about T / M. Two requests a time
+        tau apart share a window with probability ~ e^(-sigma tau), sigma = M / T, so
+        the excess pairs one worker takes whole are the arrivals' pair correlation
+        weighted so: J = int e^(-sigma tau) (h(tau) - lambda) dtau, h the renewal
+        density. Each such pair adds 2 kappa to the worker's variance over mean (the
+        members of a pair are present together for E[min(n1, n2)] of the E[n] steps),
+        as in Whitt's GI/G/inf result, which is the limit M = 1 (J -> (ca2 - 1) / 2).
+        Requests arriving together reach the decode pool |D1 - D2| apart, D their solo
+        prefill and handoff, which keeps e^(-sigma |D1 - D2|) of a pair's weight.
+        """
+        pool_rate = rate_w * workers
+        sigma = workers / iteration_s
+        kept = float(np.dot(self.delay_gap_weights, np.exp(-sigma * self.delay_gaps_s)))
+        return _gamma_pair_excess(x=pool_rate / sigma, ca2=ca2) * kept
+
+    def _averaged_spread(
+        self, *, rho: float, workers: int, ca2: float, rate_w: float
+    ) -> FloatArray:
+        """Per class, what a request keeps of the spread when it averages the batch
         cost over its life: the workers' own share at the infinite-server correlation
         time, the pool-wide share at that time stretched by 1 / (1 - rho)."""
+        own, pooled = self._shares(rho=rho, workers=workers, ca2=ca2, rate_w=rate_w)
         x = self.life_over_correlation
-        own: FloatArray = (1.0 - 1.0 / workers) * _averaging(x)
-        pooled: FloatArray = (
-            self._dispersion(ca2) / (workers * (1.0 - rho)) * _averaging(x * (1.0 - rho))
-        )
-        return own + pooled
+        averaged: FloatArray = own * _averaging(x) + pooled * _averaging(x * (1.0 - rho))
+        return averaged
 
     def _moments(
         self, *, workers: int, arrival_rate_rps: float, ca2: float
@@ -248,9 +301,10 @@ class DecodeModel:
         mean = self.fixed_tpot_s + others_s + 0.5 * t_iter * busy * self.inv_steps
         var_inst = b * self.member_cost_sq_s2
         rho = self._rho(workers, arrival_rate_rps)
+        rate_w = self._per_worker_rate(workers, arrival_rate_rps)
         var = (
             self.fixed_var_s2
-            + var_inst * self._averaged_spread(rho=rho, workers=workers, ca2=ca2)
+            + var_inst * self._averaged_spread(rho=rho, workers=workers, ca2=ca2, rate_w=rate_w)
             + (t_iter * busy) ** 2 / 12.0 * self.inv_steps_sq
         )
         return mean, np.sqrt(np.maximum(var, 1e-30))
@@ -280,6 +334,32 @@ class DecodeModel:
             cached = _mixture_quantile(self.weights, mean, sd, quantile)
             self._floors[quantile] = cached
         return cached
+
+
+def _gamma_pair_excess(*, x: float, ca2: float) -> float:
+    """J = int_0^inf e^(-sigma tau) (h(tau) - lambda) dtau for the stationary Gamma
+    renewal process of SCV ``ca2`` (the arrivals' representation, ``queueing.ggc``),
+    with x = lambda / sigma. The renewal density's Laplace transform is A / (1 - A),
+    A = (1 + ca2 / x)^(-1 / ca2) the gaps' (e^(-1 / x) for evenly spaced arrivals), so
+    J = A / (1 - A) - x: 0 for Poisson, (ca2 - 1) / 2 as x grows."""
+    if x <= 0.0:
+        return 0.0
+    a = math.exp(-1.0 / x) if ca2 <= 1e-9 else math.exp(-math.log1p(ca2 / x) / ca2)
+    return a / (1.0 - a) - x
+
+
+# Quantiles of the decode arrivals' delay whose pairwise gaps stand for all pairs'.
+_DELAY_POINTS = 32
+
+
+def _delay_gaps(delay_s: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """|D_i - D_j| over pairs of ``_DELAY_POINTS`` mid-quantiles of the delays (each
+    unordered pair once, with the weight of both orders; a point with itself at 0)."""
+    points = np.quantile(delay_s, (np.arange(_DELAY_POINTS) + 0.5) / _DELAY_POINTS)
+    i, j = np.triu_indices(_DELAY_POINTS)
+    weights = np.where(i == j, 1.0, 2.0) / _DELAY_POINTS**2
+    gaps: FloatArray = np.abs(points[i] - points[j])
+    return gaps, weights.astype(np.float64)
 
 
 def _life_over_correlation(class_steps: FloatArray, steps: FloatArray) -> FloatArray:

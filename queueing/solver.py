@@ -163,6 +163,7 @@ class CapacityModel:
                 samples,
                 profile,
                 max_batch=budget,
+                prefill_token_budget=budget,
                 kv_link_bytes_per_s=link.bytes_per_s,
                 kv_link_latency_s=link.latency_s,
                 block_size_tokens=block_size_tokens,

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from scipy import integrate, stats
 
-from queueing.decode import DecodeModel
+from queueing.decode import DecodeModel, _gamma_pair_excess
 from queueing.lengths import LengthSamples
 from queueing.prefill import UnstableQueueError
 from queueing.profile import IterationProfile
 
 
 def build(samples: LengthSamples, profile: IterationProfile) -> DecodeModel:
-    return DecodeModel.build(samples, profile, max_batch=2048, kv_link_bytes_per_s=50e9)
+    return DecodeModel.build(
+        samples, profile, max_batch=2048, prefill_token_budget=2048, kv_link_bytes_per_s=50e9
+    )
 
 
 def test_on_one_worker_the_mean_batch_is_the_fixed_point_of_littles_law(
@@ -89,3 +94,33 @@ def test_an_overloaded_pool_is_reported_unstable(
     assert not model.is_stable(workers=1, arrival_rate_rps=1e6)
     with pytest.raises(UnstableQueueError, match="decode_workers"):
         model.load(workers=1, arrival_rate_rps=1e6, ca2=1.0, quantile=0.99)
+
+
+@pytest.mark.parametrize(("x", "ca2"), [(0.05, 4.0), (0.24, 4.0), (0.5, 2.0), (2.0, 0.5)])
+def test_the_clustered_pairs_of_gamma_arrivals_match_the_renewal_density(
+    x: float, ca2: float
+) -> None:
+    # J = int e^(-sigma tau) (h(tau) - lambda) dtau with h the renewal density, the sum
+    # of the k-fold Gamma convolutions (Gamma(k / ca2) densities), integrated
+    # numerically at lambda = 1, sigma = 1 / x.
+    shape, sigma = 1.0 / ca2, 1.0 / x
+    # Each fold's Laplace transform at sigma is the gap's to the k-th power; summing
+    # the integrated folds term by term is the independent computation.
+    numeric = -x
+    for k in range(1, 1000):
+        fold = integrate.quad(
+            lambda t, k=k: math.exp(-sigma * t) * stats.gamma.pdf(t, k * shape, scale=1 / shape),
+            0,
+            np.inf,
+            limit=200,
+        )[0]
+        numeric += fold
+        if fold < 1e-10:
+            break
+    assert _gamma_pair_excess(x=x, ca2=ca2) == pytest.approx(numeric, rel=1e-4, abs=1e-8)
+
+
+def test_poisson_arrivals_have_no_clustered_pairs_and_long_windows_keep_whitts_factor() -> None:
+    assert _gamma_pair_excess(x=0.3, ca2=1.0) == pytest.approx(0.0, abs=1e-12)
+    # As the window grows every pair is taken together: (ca2 - 1) / 2.
+    assert _gamma_pair_excess(x=1e4, ca2=4.0) == pytest.approx(1.5, rel=1e-3)
