@@ -154,7 +154,17 @@ def row(r: CaseResult) -> str:
     )
 
 
-def main(*, seed: int, cases: int, requests: int, replications: int, jobs: int) -> None:
+def main(
+    *,
+    seed: int,
+    cases: int,
+    requests: int,
+    replications: int,
+    jobs: int,
+    only: Sequence[int] | None = None,
+) -> None:
+    """Draw ``cases`` cases from ``seed`` and run them (or only those indexed ``only``:
+    the draws, and so each case's seed, do not depend on which are run)."""
     profiles = [resolve_profile(name) for name in PROFILES]
     long_profiles = [resolve_profile(name) for name in LONG_PROFILES]
     contexts = {p.name: max_context(p) for p in (*profiles, *long_profiles)}
@@ -165,6 +175,11 @@ def main(*, seed: int, cases: int, requests: int, replications: int, jobs: int) 
         max_context=contexts,
         rng=np.random.default_rng(seed),
     )
+    if only is not None:
+        unknown = sorted(set(only) - set(range(cases)))
+        if unknown:
+            raise SystemExit(f"--only: no case {unknown} among the {cases} drawn")
+        drawn = [(case, samples) for case, samples in drawn if case.index in set(only)]
     work = [(case, samples, requests, replications) for case, samples in drawn]
     # Largest runs first, so the slowest cases do not finish last on one core.
     work.sort(key=lambda w: -requests_for(w[0].prefill_workers, requests, w[0].ca2))
@@ -177,7 +192,7 @@ def main(*, seed: int, cases: int, requests: int, replications: int, jobs: int) 
     results.sort(key=lambda r: r.case.index)
 
     print(
-        f"seed {seed}; {cases} cases; {replications} replications (up to "
+        f"seed {seed}; {len(results)} of {cases} cases; {replications} replications (up to "
         f"{BOUNDARY_REPLICATIONS * replications} near the boundary: reps) of "
         f"({requests} + 250 N) x max(1, ca2) requests; errors = predicted / mean simulated "
         "P99 - 1; ci% = 95 % t half-width"

@@ -172,6 +172,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2026, help="--random: the cases' seed")
     parser.add_argument("--cases", type=int, default=60, help="--random: how many cases")
     parser.add_argument(
+        "--only",
+        type=lambda text: sorted({int(i) for i in text.split(",")}),
+        metavar="I,J,...",
+        help="--random: run only these cases of the drawn set (same draws, same seeds)",
+    )
+    parser.add_argument(
         "--probe-wait",
         type=int,
         metavar="INDEX",
@@ -195,6 +201,7 @@ def main() -> None:
             requests=2_000 if args.quick else 4_000,
             replications=3 if args.quick else 4,
             jobs=args.jobs,
+            only=args.only,
         )
         return
     requests = 6_000 if args.quick else args.requests
