@@ -122,30 +122,6 @@ def _gim_wait_probability_smooth(
     return 0.5 * (values[0] + values[1])
 
 
-def _regular_service_wait_probability(
-    *, p_exponential: float, load: float, servers: int, ca2: float, cs2: float
-) -> float:
-    """P(wait) for service less variable than exponential, bursty arrivals.
-
-    The GI/M/c answer lets a burst find servers that exponential service has already
-    freed; with regular service, the c prompts ahead of a burst's next arrival are all
-    still running. For deterministic service D an arrival finds c servers busy at
-    light load exactly when its c predecessors arrived within D: the sum of c Gamma
-    gaps (shape c / ca2) below D, P_D = P(c / ca2, lambda D / ca2) (the regularised
-    incomplete gamma; exact for the infinite-server queue, and a lower bound for c
-    servers, which hold arrivals longer). At ca2 = 4 on 8 servers at rho = 0.12 it is
-    0.025 against GI/M/c's 0.012, where a simulated GI/D/8 queue waits with 0.024.
-    Between the two, the two-moment interpolation P_M + (1 - cs2) (P_D - P_M), with
-    P_D at least P_M; for cs2 >= 1 and for Poisson arrivals (P_D <= Erlang C) it is
-    P_M. Measured against simulated G/G/c queues in ``docs/model.md``.
-    """
-    if cs2 >= 1.0:
-        return p_exponential
-    p_regular = float(special.gammainc(servers / ca2, load / ca2)) if ca2 > 1e-9 else 0.0
-    p_regular = max(p_exponential, p_regular)
-    return min(1.0, p_exponential + (1.0 - cs2) * (p_regular - p_exponential))
-
-
 def _log_halfin_whitt_alpha(beta: float) -> float:
     """log alpha(beta), alpha(beta) = 1 / (1 + beta * Phi(beta) / phi(beta)).
 
@@ -239,9 +215,6 @@ def ggc_wait_tail(
                 arrival_rate_rps, service_rate, servers, ca2, sigma
             )
             p_wait = min(1.0, max(p_wait, exact))
-        p_wait = _regular_service_wait_probability(
-            p_exponential=p_wait, load=load, servers=servers, ca2=ca2, cs2=cs2
-        )
     z = max((ca2 + cs2) / 2.0, 1e-9)
     z_gim = max((ca2 + 1.0) / 2.0, 1e-9)
     decay = servers * service_rate * (1.0 - sigma) * z_gim / z
