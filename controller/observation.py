@@ -30,13 +30,6 @@ class PoolObservation:
                 raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
 
 
-# A window's length mix is one of at least this many completed requests (fewer: no
-# mix, the pooled one stands), and holds one (prompt, output) pair per request, so
-# that windows pool in proportion to the requests they saw — the simulated source
-# (its requests) and the histogram sources (reconstructed pairs) alike.
-MIN_LENGTH_SAMPLES = 50
-
-
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Observation:
     """Measurements over the window ending at ``time_s`` (seconds, the controller's clock).

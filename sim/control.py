@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from controller.config import ControllerConfig
-from controller.observation import MIN_LENGTH_SAMPLES, Observation, PoolObservation
+from controller.observation import Observation, PoolObservation
 from controller.policy import CapacityModels, ControllerState, Decision
 from controller.tick import run_tick
 from queueing.lengths import LengthSamples
@@ -29,6 +29,7 @@ from queueing.profile import IterationProfile
 from sim.cluster import Cluster, ClusterSnapshot
 from sim.trace import FloatArray
 
+MIN_LENGTH_SAMPLES = 50
 MIN_LATENCY_SAMPLES = 20
 
 

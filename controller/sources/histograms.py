@@ -22,7 +22,6 @@ from collections.abc import Iterable
 import numpy as np
 import numpy.typing as npt
 
-from controller.observation import MIN_LENGTH_SAMPLES
 from queueing.lengths import LengthSamples
 
 FloatArray = npt.NDArray[np.float64]
@@ -106,13 +105,7 @@ def length_samples(
     source: str,
     n: int = DEFAULT_SAMPLES,
 ) -> LengthSamples | None:
-    """(prompt, output) token-length pairs reconstructed from two histograms of counts.
-
-    One pair per request the window observed (the smaller histogram's count, rounded),
-    at most ``n``: windows then weigh in a pooled mix by the requests they saw, as the
-    simulator's windows of real requests do. ``None`` below
-    ``controller.observation.MIN_LENGTH_SAMPLES`` requests (or when either histogram
-    is empty or malformed).
+    """(prompt, output) token-length pairs reconstructed from two histograms.
 
     Histograms keep the two marginals but lose which prompt came with which output.
     The pairs are formed in quantile order (the i-th shortest prompt with the i-th
@@ -121,22 +114,14 @@ def length_samples(
     context, the one quantity the pairing changes, is over- rather than
     under-estimated; it is also deterministic. Lengths are rounded up to whole tokens
     (an integer bound stays in its ``le`` bucket) and are at least 1.
+    ``None`` when either histogram has no observations.
     """
-    if n < 1:
-        raise ValueError(f"n: must be >= 1, got {n!r}")
-    prompt = _normalised(prompt_buckets)
-    output = _normalised(output_buckets)
+    prompt = bucket_samples(prompt_buckets, n=n)
+    output = bucket_samples(output_buckets, n=n)
     if prompt is None or output is None:
         return None
-    observed = min(float(prompt[1][-1]), float(output[1][-1]))
-    if observed < MIN_LENGTH_SAMPLES:
-        return None
-    pairs = min(n, round(observed))
-    qs = (np.arange(pairs, dtype=np.float64) + 0.5) / pairs
     return LengthSamples(
-        prompt_tokens=_tokens(_quantiles(*prompt, qs)),
-        output_tokens=_tokens(_quantiles(*output, qs)),
-        source=source,
+        prompt_tokens=_tokens(prompt), output_tokens=_tokens(output), source=source
     )
 
 

@@ -188,12 +188,8 @@ class ScrapeSource:
         output = self._rates(OUTPUT_BUCKETS, window)
         lengths = None
         if prompt is not None and output is not None:
-            # Per-second increases back to the window's counts: one pair per request.
             lengths = length_samples(
-                [(le, rate * window) for le, rate in _by_le(prompt)],
-                [(le, rate * window) for le, rate in _by_le(output)],
-                source="scraped histograms",
-                n=self._n_samples,
+                _by_le(prompt), _by_le(output), source="scraped histograms", n=self._n_samples
             )
         return Observation(
             time_s=now_s,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from controller.observation import MIN_LENGTH_SAMPLES, Observation, PoolObservation
+from controller.observation import Observation, PoolObservation
 from controller.sources import ScrapeSource
 from queueing.pools import Pool
 from tests.controller.conftest_sources import (
@@ -151,21 +151,6 @@ def test_lengths_come_from_the_windows_histograms(
         counts = np.histogram(values, bins=np.array((0, *bounds)) + 0.5)[0]
         assert counts.sum() == 500
         assert np.all(np.abs(counts - 500 / 8) <= 1)  # 100 of 800 requests in each bucket
-
-
-def test_a_quiet_window_gives_one_length_pair_per_request_and_none_below_the_minimum(
-    router: RouterExporter, prefill: WorkerExporter, clock: Clock
-) -> None:
-    with make_source(clock, router, prefill) as source:
-        observe(source, clock)
-        send(router, 120)
-        clock.advance(WINDOW_S)
-        quiet = observe(source, clock).lengths
-        send(router, MIN_LENGTH_SAMPLES - 1)
-        clock.advance(WINDOW_S)
-        too_few = observe(source, clock).lengths
-    assert quiet is not None and len(quiet) == 120
-    assert too_few is None
 
 
 def test_burst_rate_and_ca2_from_scrapes_between_ticks(
