@@ -166,7 +166,7 @@ def demo_config(
         "enabled": True,
         "horizon_s": startup_s + interval_s,
         "trend_window_s": 30.0,
-        "bin_s": 2.0,
+        "bin_s": interval_s,  # one measurement a tick (see controller.tick.forecast_config)
     }
     # Until a pool's first scale-up is measured, its lead time is this prior: the
     # default (120 s, a large model's start-up) would have the forecast extrapolate

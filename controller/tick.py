@@ -57,11 +57,18 @@ def forecast_config(config: ControllerConfig, state: ControllerState) -> Forecas
     """The forecaster's configuration for this tick: with lead-time planning on, its
     horizon is the longer of the pools' measured lead times (start-up + tick), so it
     looks as far ahead as a worker started now takes to serve; otherwise the
-    configured ``forecast.horizon_s``."""
+    configured ``forecast.horizon_s``.
+
+    Its trend bins are at least one tick long: a live controller measures the rate
+    once a tick (``RecordedArrivals``), so a shorter bin splits one measurement over
+    several bins, which the trend's t-test would take for independent evidence (a
+    spurious rise read from one noisy tick); the back-test bins as the live
+    controller can, though the simulator knows every arrival."""
+    forecast = replace(config.forecast, bin_s=max(config.forecast.bin_s, config.interval_s))
     if not config.lead_time.enabled:
-        return config.forecast
+        return forecast
     horizon_s = max(lead_time_s(pstate, config) for _, pstate in state.pools.items())
-    return replace(config.forecast, horizon_s=horizon_s)
+    return replace(forecast, horizon_s=horizon_s)
 
 
 def run_tick(

@@ -71,10 +71,11 @@ def trend_forecast(
     when the rise is not significant (slope under ``min_t_stat`` standard errors, or
     under ``min_rise`` of the current level over the horizon) or there are too few
     bins to tell."""
-    bins = round(window_s / bin_s)
+    # Whole bins back from now (a live record's windows end at the ticks).
+    bins = math.floor(window_s / bin_s + 1e-9)
     if bins < 3:
         return None
-    edges: FloatArray = now_s - window_s + bin_s * np.arange(bins + 1, dtype=np.float64)
+    edges: FloatArray = now_s - bin_s * np.arange(bins, -1, -1, dtype=np.float64)
     counted = history.counts_in_bins(edges)
     if counted is None:
         return None

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy import stats
 
-from controller.config import ForecastConfig
+from controller.config import ControllerConfig, ForecastConfig
 from controller.observation import Observation, PoolObservation
-from controller.policy.forecast import RecordedArrivals, forecast_rate_rps
+from controller.policy import ControllerState
+from controller.policy.forecast import RecordedArrivals, forecast_rate_rps, trend_forecast
+from controller.tick import forecast_config
 
 A_RPS, B_RPS_PER_S = 1.0, 0.05  # a ramp: 1 req/s rising by 3 req/s a minute
 WINDOW_S, BURST_S, TICK_S = 30.0, 4.0, 4.0
@@ -89,3 +92,44 @@ def test_the_trend_forecast_from_the_record_reaches_the_ramp_at_the_horizon() ->
     # The window's rate alone lags by half a window less half a tick.
     lag_s = (WINDOW_S - TICK_S) / 2
     assert truth - window_only == pytest.approx(B_RPS_PER_S * lag_s, rel=0.2)
+
+
+def test_under_a_flat_rate_the_trend_alarms_at_its_t_tests_level_when_bins_are_ticks() -> None:
+    # A live record holds one measured rate per tick. Bins of half a tick would split
+    # each measurement in two and the t-test would count both halves: measured here,
+    # false alarms then come at 2-3 times the level. forecast_config keeps the bins at
+    # least a tick long, where the level is the t distribution's.
+    config = ControllerConfig(
+        interval_s=TICK_S,
+        window_s=WINDOW_S,
+        forecast=ForecastConfig(enabled=True, trend_window_s=30.0, bin_s=2.0, min_rise=0.0),
+    )
+    forecast = forecast_config(config, ControllerState())
+    assert forecast.bin_s == TICK_S
+    bins = int(forecast.trend_window_s // forecast.bin_s)
+    level = float(stats.t.sf(forecast.min_t_stat, bins - 2))
+    rng = np.random.default_rng(7)
+    trials, now_s = 2000, 64.0
+
+    def alarms(bin_s: float) -> int:
+        count = 0
+        for _ in range(trials):
+            record = RecordedArrivals(keep_s=3600.0)
+            for k in range(int(now_s / TICK_S)):  # Poisson counts of 6 req/s per tick
+                rate = rng.poisson(6.0 * TICK_S) / TICK_S
+                record.record(end_s=TICK_S * (k + 1), window_s=TICK_S, rate_rps=rate)
+            rise = trend_forecast(
+                record,
+                now_s=now_s,
+                window_s=forecast.trend_window_s,
+                bin_s=bin_s,
+                horizon_s=10.0,
+                min_t_stat=forecast.min_t_stat,
+                min_rise=0.0,
+            )
+            count += rise is not None
+        return count
+
+    noise = 4.0 * np.sqrt(level * (1 - level) / trials)  # four binomial s.d.
+    assert abs(alarms(forecast.bin_s) / trials - level) <= noise
+    assert alarms(TICK_S / 2) / trials > 2 * level
