@@ -13,6 +13,7 @@ from queueing.lengths import LengthSamples
 from queueing.prefill import (
     PrefillModel,
     _fresh_start_wait_s,
+    mg1_wait_quantile_s,
     prefill_service_s,
     quantile_of_sum,
     survival_of_sum,
@@ -161,3 +162,50 @@ def test_while_prompts_queue_the_wait_decays_at_the_packed_drain_rate(
     bursty = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=ca2)
     expected = service_rate * (1 - sigma) * (1 + ca2) / (ca2 + model.packed_scv)
     assert bursty.decay_rate_per_s == pytest.approx(expected, rel=1e-9)
+
+
+def _md1_wait_cdf(x: float, *, rate: float, service_s: float) -> float:
+    """Erlang's M/D/1 waiting-time distribution: (1 - rho) sum_{k <= x/D} of
+    (lambda (k D - x))^k / k! e^(-lambda (k D - x))."""
+    rho = rate * service_s
+    total = 0.0
+    for k in range(int(x // service_s) + 1):
+        u = rate * (k * service_s - x)
+        total += u**k / math.factorial(k) * math.exp(-u)
+    return (1.0 - rho) * total
+
+
+@pytest.mark.parametrize("rho", [0.3, 0.6, 0.85])
+def test_the_exact_one_worker_wait_is_erlangs_for_constant_service(rho: float) -> None:
+    service_s, quantile = 0.2, 0.99
+    rate = rho / service_s
+    x = mg1_wait_quantile_s(
+        np.array([service_s]), np.array([1.0]), arrival_rate_rps=rate, quantile=quantile
+    )
+    assert x is not None
+    # The grid's answer brackets the closed form's quantile to within a cell or two.
+    cell = max(20.0 * max(rate * service_s**2 / (2 * (1 - rho)), service_s), 2 * service_s) / 4096
+    assert _md1_wait_cdf(x - 2 * cell, rate=rate, service_s=service_s) < quantile
+    assert _md1_wait_cdf(x + 2 * cell, rate=rate, service_s=service_s) >= quantile
+
+
+def test_the_exact_one_worker_wait_matches_a_lindley_recursion_for_a_heavy_mix() -> None:
+    # 95 % short prompts, 5 % forty times as long.
+    service = np.array([0.05, 2.0])
+    weights = np.array([0.95, 0.05])
+    rate = 0.7 / float(np.dot(service, weights))
+    x = mg1_wait_quantile_s(service, weights, arrival_rate_rps=rate, quantile=0.99)
+    rng = np.random.default_rng(3)
+    p99s = []
+    for _ in range(8):  # independent runs: a t-interval over their P99s
+        n = 200_000
+        gaps = rng.exponential(1.0 / rate, n)
+        s = rng.choice(service, size=n, p=weights)
+        w = np.empty(n)
+        w[0] = 0.0
+        for i in range(1, n):
+            w[i] = max(0.0, w[i - 1] + s[i - 1] - gaps[i])
+        p99s.append(float(np.quantile(w[n // 10 :], 0.99)))
+    mean = float(np.mean(p99s))
+    half = 2.365 * float(np.std(p99s, ddof=1)) / math.sqrt(len(p99s))
+    assert x is not None and abs(x - mean) <= half + 0.01 * mean
