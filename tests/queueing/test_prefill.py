@@ -19,6 +19,7 @@ from queueing.prefill import (
     survival_of_sum,
 )
 from queueing.profile import IterationProfile
+from tests.profiles import TEST_8B
 
 
 @pytest.mark.parametrize(
@@ -209,3 +210,31 @@ def test_the_exact_one_worker_wait_matches_a_lindley_recursion_for_a_heavy_mix()
     mean = float(np.mean(p99s))
     half = 2.365 * float(np.std(p99s, ddof=1)) / math.sqrt(len(p99s))
     assert x is not None and abs(x - mean) <= half + 0.01 * mean
+
+
+def _heavy_tailed_model() -> PrefillModel:
+    # Lomax (Pareto II) prompts, tail index 1.9, clipped at 32k tokens.
+    rng = np.random.default_rng(11)
+    prompts = np.minimum(32_000, np.ceil(800 * (rng.pareto(1.9, 20_000) + 1e-3))).astype(np.int64)
+    samples = LengthSamples(
+        prompt_tokens=prompts, output_tokens=np.full(len(prompts), 100), source="lomax"
+    )
+    return PrefillModel.build(samples, TEST_8B, token_budget=2048)
+
+
+def test_one_worker_with_a_heavy_tailed_mix_waits_as_its_exact_tail_says_and_continuously_in_ca2(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _heavy_tailed_model()
+    rate = 0.7 / model.packed_service_s
+
+    def p99(ca2: float) -> float:
+        return model.ttft_quantile_s(workers=1, arrival_rate_rps=rate, ca2=ca2, quantile=0.99)
+
+    matched = p99(1.0)
+    # Nearby measured ca2 (never exactly 1) get nearly the same answer.
+    assert p99(0.999) == pytest.approx(matched, rel=2e-3)
+    assert p99(1.001) == pytest.approx(matched, rel=2e-3)
+    # Without the exact wait the exponential tail puts the P99 lower.
+    monkeypatch.setattr("queueing.prefill.mg1_wait_quantile_s", lambda *a, **k: None)
+    assert p99(1.0) < 0.95 * matched
