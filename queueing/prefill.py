@@ -292,6 +292,8 @@ class PrefillModel:
     spare_boundaries: float  # per prompt run alone: boundaries with budget to spare
     token_budget: int
     _floors: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
+    # The exact one-worker P99 wait by arrival rate: a solve asks for it more than once.
+    _exact_waits: dict[float, float | None] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -435,9 +437,13 @@ class PrefillModel:
         )
         if poisson.wait_probability <= 1.0 - quantile:
             return tail
-        exact_s = mg1_wait_quantile_s(
-            self.packed_s, self.weights, arrival_rate_rps=arrival_rate_rps, quantile=quantile
-        )
+        if arrival_rate_rps not in self._exact_waits:
+            if len(self._exact_waits) >= _EXACT_WAITS_KEPT:
+                self._exact_waits.clear()
+            self._exact_waits[arrival_rate_rps] = mg1_wait_quantile_s(
+                self.packed_s, self.weights, arrival_rate_rps=arrival_rate_rps, quantile=quantile
+            )
+        exact_s = self._exact_waits[arrival_rate_rps]
         if exact_s is None or exact_s <= 0.0:
             return tail
         matched = math.log(poisson.wait_probability / (1.0 - quantile)) / exact_s
@@ -569,6 +575,8 @@ class PrefillModel:
 TAIL_MATCH_QUANTILE = 0.99
 # Grid points of the wait's distribution (an FFT of twice as many).
 _MG1_GRID = 4096
+# At most this many arrival rates' exact waits are kept per model.
+_EXACT_WAITS_KEPT = 64
 
 
 def mg1_wait_quantile_s(
