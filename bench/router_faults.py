@@ -136,6 +136,18 @@ def overload(url: str, n: int, *, nice: int) -> Counter[int]:
     return Counter({int(k): v for k, v in json.loads(out).items()})
 
 
+def stop_all(procs: list[subprocess.Popen[bytes]], *, timeout_s: float) -> None:
+    """SIGTERM every process, then wait for each (killed after ``timeout_s``)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def start_workers(work: Path, redis_url: str, model: Path) -> list[subprocess.Popen[bytes]]:
     """One emulated prefill and one emulated decode worker, logging into ``work``."""
     return [
@@ -253,13 +265,7 @@ def main() -> int:
             f"{load_average()}"
         )
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs, timeout_s=15)
         server.stop()
     return 0
 

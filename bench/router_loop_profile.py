@@ -73,7 +73,15 @@ def profiled_router(out_dir: Path, argv: list[str]) -> int:
 
 
 def main() -> int:
-    from router_faults import PROBE, PROFILE, load_average, overload, start_workers, wait_ready
+    from router_faults import (
+        PROBE,
+        PROFILE,
+        load_average,
+        overload,
+        start_workers,
+        stop_all,
+        wait_ready,
+    )
 
     from controller.profiles import load_profile
     from workers.emulated import model_card
@@ -112,13 +120,7 @@ def main() -> int:
         print(f"  answers {dict(sorted(statuses.items()))}; serving-port /healthz worst "
               f"{worst_s * 1000:.1f} ms; {load_average()}")  # fmt: skip
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs, timeout_s=30)
         server.stop()
     lags = json.loads((work / "lags.json").read_text())
     late = [(round(t - burst, 2), round(lag * 1000)) for t, lag in lags if lag > 0.03]

@@ -112,7 +112,6 @@ async def _served_batch(url: str, batch: list[list[int]], max_tokens: int) -> fl
     return len(batch) * max_tokens / elapsed
 
 
-
 def wait_ready(
     url: str, procs: list[subprocess.Popen[bytes]], close: Callable[[], None], logs: Path
 ) -> None:
@@ -129,6 +128,7 @@ def wait_ready(
             close()
             raise RuntimeError(f"the stack did not become ready; logs in {logs}")
         time.sleep(0.2)
+
 
 class ServedStack:
     """Redis, the router and one worker per pool, as ``sara serve`` runs them."""
@@ -158,14 +158,9 @@ class ServedStack:
         wait_ready(self.url, self.procs, self.close, logs)
 
     def close(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        from router_faults import stop_all
+
+        stop_all(self.procs, timeout_s=30)
         self.redis.stop()
 
 
