@@ -71,6 +71,9 @@ class DecodeLoad:
     batch_p99: float
     kv_blocks_p99: float
     kv_utilisation: float
+    rho: float  # the share of an iteration spent on member costs
+    own_spread: float  # the batch's variance over mean: the workers' own share
+    pooled_spread: float  # ... and the pool-wide mode's
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -217,6 +220,9 @@ class DecodeModel:
             batch_p99=batch_p99,
             kv_blocks_p99=kv_p99,
             kv_utilisation=mean_batch * self.reserved_blocks / self.kv_capacity_blocks,
+            rho=rho,
+            own_spread=own,
+            pooled_spread=pooled,
         )
 
     def relaxation_s(self, *, workers: int, arrival_rate_rps: float) -> float:
@@ -277,15 +283,14 @@ class DecodeModel:
         kept = float(np.dot(self.delay_gap_weights, np.exp(-sigma * self.delay_gaps_s)))
         return _gamma_pair_excess(x=pool_rate / sigma, ca2=ca2) * kept
 
-    def _averaged_spread(
-        self, *, rho: float, workers: int, ca2: float, rate_w: float
-    ) -> FloatArray:
+    def _averaged_spread(self, state: DecodeLoad) -> FloatArray:
         """Per class, what a request keeps of the spread when it averages the batch
         cost over its life: the workers' own share at the infinite-server correlation
         time, the pool-wide share at that time stretched by 1 / (1 - rho)."""
-        own, pooled = self._shares(rho=rho, workers=workers, ca2=ca2, rate_w=rate_w)
         x = self.life_over_correlation
-        averaged: FloatArray = own * _averaging(x) + pooled * _averaging(x * (1.0 - rho))
+        averaged: FloatArray = state.own_spread * _averaging(x) + state.pooled_spread * (
+            _averaging(x * (1.0 - state.rho))
+        )
         return averaged
 
     def _moments(
@@ -300,11 +305,9 @@ class DecodeModel:
         others_s = t_iter - self.t0_s - self.member_cost_s
         mean = self.fixed_tpot_s + others_s + 0.5 * t_iter * busy * self.inv_steps
         var_inst = b * self.member_cost_sq_s2
-        rho = self._rho(workers, arrival_rate_rps)
-        rate_w = self._per_worker_rate(workers, arrival_rate_rps)
         var = (
             self.fixed_var_s2
-            + var_inst * self._averaged_spread(rho=rho, workers=workers, ca2=ca2, rate_w=rate_w)
+            + var_inst * self._averaged_spread(state)
             + (t_iter * busy) ** 2 / 12.0 * self.inv_steps_sq
         )
         return mean, np.sqrt(np.maximum(var, 1e-30))
