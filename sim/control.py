@@ -53,6 +53,10 @@ class SimulatedArrivals:
     def since_s(self) -> float:
         return 0.0
 
+    @property
+    def until_s(self) -> float:
+        return self.cluster.now_s
+
     def note(self, observation: Observation, *, window_s: float, burst_window_s: float) -> None:
         """Nothing to record: the simulation keeps every arrival."""
 

@@ -43,6 +43,12 @@ class ArrivalHistory(Protocol):
         """The earliest time the history covers."""
         ...
 
+    @property
+    def until_s(self) -> float:
+        """The latest time the history covers (a record of counter samples ends at the
+        newest sample, a little before the tick)."""
+        ...
+
     def note(self, observation: Observation, *, window_s: float, burst_window_s: float) -> None:
         """Record what a tick measured over ``window_s`` and, at its end, over the short
         ``burst_window_s`` (a history that knows every arrival ignores it)."""
@@ -71,16 +77,19 @@ def trend_forecast(
     when the rise is not significant (slope under ``min_t_stat`` standard errors, or
     under ``min_rise`` of the current level over the horizon) or there are too few
     bins to tell."""
-    # Whole bins back from now (a live record's windows end at the ticks).
+    # Whole bins back from the latest time the history covers: the tick, or the
+    # newest counter sample just before it; the line is extrapolated from there.
     bins = math.floor(window_s / bin_s + 1e-9)
     if bins < 3:
         return None
-    edges: FloatArray = now_s - bin_s * np.arange(bins, -1, -1, dtype=np.float64)
+    end_s = min(now_s, history.until_s)
+    edges: FloatArray = end_s - bin_s * np.arange(bins, -1, -1, dtype=np.float64)
     counted = history.counts_in_bins(edges)
     if counted is None:
         return None
     counts = counted.astype(np.float64) / bin_s
-    centres = 0.5 * (edges[:-1] + edges[1:]) - now_s
+    horizon_s += now_s - end_s
+    centres = 0.5 * (edges[:-1] + edges[1:]) - end_s
     slope, intercept = np.polyfit(centres, counts, 1)
     residual = counts - (intercept + slope * centres)
     spread = float(np.sum((centres - centres.mean()) ** 2))
@@ -158,14 +167,18 @@ class _Window:
 
 
 class RecordedArrivals:
-    """An ``ArrivalHistory`` from the rates a live controller measured, tick by tick.
+    """An ``ArrivalHistory`` from what a live controller measured, tick by tick.
 
-    Each tick's window contributes ``rate x overlap`` arrivals to the intervals it
-    overlaps (arrivals are taken as spread evenly over a window, which is all a rate
-    says). An interval less than 99 % covered by recorded windows is not answered,
-    so a missed tick or a restart withholds the forecast instead of reading as a
-    drop. The record is kept for ``keep_s`` (a day and a smoothing window by
-    default, for the daily cycle); a restarted controller warm-starts it from
+    Where the source read the request counters' samples (``arrival_counts``), each
+    interval between two samples is recorded with its exact count: the record is
+    then the arrivals themselves at the scrape resolution, as the simulator's
+    history is at every arrival. Otherwise each tick's window contributes
+    ``rate x overlap`` arrivals to the intervals it overlaps (arrivals are taken as
+    spread evenly over a window, which is all a rate says). An interval less than
+    99 % covered by recorded windows is not answered, so a missed tick or a restart
+    withholds the forecast instead of reading as a drop. The record is kept for
+    ``keep_s`` (a day and a smoothing window by default, for the daily cycle); a
+    restarted controller warm-starts it from
     Prometheus (``seed`` with ``PrometheusSource.arrival_history``) or from the
     record it persisted (``to_list`` / ``restore``).
     """
@@ -180,6 +193,10 @@ class RecordedArrivals:
     def since_s(self) -> float:
         return self._windows[0].start_s if self._windows else math.inf
 
+    @property
+    def until_s(self) -> float:
+        return self._windows[-1].end_s if self._windows else -math.inf
+
     def note(self, observation: Observation, *, window_s: float, burst_window_s: float) -> None:
         """Record the tick's window, its last ``burst_window_s`` at the short window's rate.
 
@@ -191,7 +208,15 @@ class RecordedArrivals:
         seconds held; the rest of the window holds what is left of its count:
         ``(rate x window - burst x burst window) / (window - burst window)``,
         an exact split of the window's arrivals, not an estimate fed back on itself.
+
+        With the counters' samples none of that is needed: each interval between
+        consecutive samples is recorded at its own count (those the record already
+        holds are clipped away, as overlapping windows are).
         """
+        if observation.arrival_counts is not None:
+            for (t0, n0), (t1, n1) in itertools.pairwise(observation.arrival_counts):
+                self.record(end_s=t1, window_s=t1 - t0, rate_rps=(n1 - n0) / (t1 - t0))
+            return
         rate = observation.arrival_rate_rps
         if rate is None or not usable(rate):
             return

@@ -71,17 +71,7 @@ def interarrival_scv(series: Sequence[Sequence[CounterSample]], *, step_s: float
     """
     if not step_s > 0:
         raise ValueError(f"step_s: must be > 0, got {step_s!r}")
-    prepared: list[tuple[np.ndarray, np.ndarray]] = []
-    for samples in series:
-        if not samples:
-            continue
-        ordered = sorted(samples)
-        times = np.array([t for t, _ in ordered], dtype=np.float64)
-        values = [v for _, v in ordered]
-        if not all(math.isfinite(v) for v in values):
-            return None
-        steps = [cur - prev if cur >= prev else cur for prev, cur in pairwise(values)]
-        prepared.append((times, np.concatenate([[0.0], np.cumsum(steps)])))
+    prepared = _cumulative_per_counter(series)
     if not prepared:
         return None
     newest = max(times[-1] for times, _ in prepared)
@@ -99,3 +89,48 @@ def interarrival_scv(series: Sequence[Sequence[CounterSample]], *, step_s: float
         # A counter that stopped (its router died) spans nothing; the live ones agree.
         durations = np.maximum(durations, times[at[:-1]] - times[at[1:]])
     return dispersion_index(counts, durations)
+
+
+def cumulative_arrivals(
+    series: Sequence[Sequence[CounterSample]],
+) -> tuple[CounterSample, ...] | None:
+    """The arrivals counted by one or more counters, as ``(time, arrivals since the
+    first time)`` at every sample time that all counters cover.
+
+    Each counter is read as Prometheus reads a series: its last sample at or before
+    the time, reset-corrected. So the count between two of these times is exact for
+    one counter (its own increments), and for several it is exact up to where each
+    counter's samples fall between the times. ``None`` with fewer than two such
+    times, or a non-finite value.
+    """
+    prepared = _cumulative_per_counter(series)
+    if not prepared:
+        return None
+    oldest = max(times[0] for times, _ in prepared)
+    grid = np.unique(np.concatenate([times[times >= oldest] for times, _ in prepared]))
+    if len(grid) < 2:
+        return None
+    total = np.zeros(len(grid))
+    for times, cumulative in prepared:
+        at = np.searchsorted(times, grid + 1e-9, side="right") - 1
+        total += cumulative[at] - cumulative[at[0]]
+    return tuple((float(t), float(n)) for t, n in zip(grid, total, strict=True))
+
+
+def _cumulative_per_counter(
+    series: Sequence[Sequence[CounterSample]],
+) -> list[tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
+    """Each non-empty counter's sample times (sorted) and its reset-corrected count
+    since its first sample; empty when any value is not finite."""
+    prepared: list[tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]] = []
+    for samples in series:
+        if not samples:
+            continue
+        ordered = sorted(samples)
+        times = np.array([t for t, _ in ordered], dtype=np.float64)
+        values = [v for _, v in ordered]
+        if not all(math.isfinite(v) for v in values):
+            return []
+        steps = [cur - prev if cur >= prev else cur for prev, cur in pairwise(values)]
+        prepared.append((times, np.concatenate([[0.0], np.cumsum(steps)])))
+    return prepared

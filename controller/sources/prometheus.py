@@ -24,7 +24,7 @@ import httpx
 from controller.config import MetricsConfig
 from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
-from controller.sources.counters import CounterSample, interarrival_scv
+from controller.sources.counters import CounterSample, cumulative_arrivals, interarrival_scv
 from controller.sources.flavors import SARA, flavor_queries, join_matchers
 from controller.sources.histograms import DEFAULT_SAMPLES, Bucket, histogram_quantile
 from controller.sources.histograms import length_samples as samples_from_buckets
@@ -142,7 +142,7 @@ class PrometheusSource:
         self._queries: dict[str, _Query] = {
             "arrival_rate_rps": _Query(q(flavor.arrival_rate, window_s), _single_value),
             "burst_arrival_rate_rps": _Query(q(flavor.arrival_rate, burst_window_s), _single_value),
-            "interarrival_scv": _Query(q(flavor.arrival_samples, window_s), self._scv),
+            "interarrival_scv": _Query(q(flavor.arrival_samples, window_s), self._arrivals),
             "ttft_p99_s": _Query(q(flavor.ttft_p99, window_s), _single_value),
             "tpot_p99_s": _Query(q(flavor.tpot_p99, window_s), _single_value),
             "prompt_buckets": _Query(q(flavor.prompt_buckets, window_s), _buckets),
@@ -183,13 +183,15 @@ class PrometheusSource:
                 source="prometheus histograms",
                 n=self._n_samples,
             )
+        arrivals: _ArrivalSamples | None = values["interarrival_scv"]
         return Observation(
             time_s=now_s,
             prefill=prefill,
             decode=decode,
             arrival_rate_rps=values["arrival_rate_rps"],
             burst_arrival_rate_rps=values["burst_arrival_rate_rps"],
-            interarrival_scv=values["interarrival_scv"],
+            interarrival_scv=None if arrivals is None else arrivals.scv,
+            arrival_counts=None if arrivals is None else arrivals.counts,
             lengths=lengths,
             ttft_p99_s=values["ttft_p99_s"],
             tpot_p99_s=values["tpot_p99_s"],
@@ -269,13 +271,23 @@ class PrometheusSource:
             raise MeasurementUnavailable("malformed answer: no data object")
         return data
 
-    def _scv(self, data: Mapping[str, Any]) -> float:
-        scv = interarrival_scv(_series(data), step_s=self._scv_step_s)
-        if scv is None:
+    def _arrivals(self, data: Mapping[str, Any]) -> _ArrivalSamples:
+        """The request counters' raw samples: their ca² and the arrivals' record (one
+        query serves both); unavailable only when neither can be read."""
+        series = _series(data)
+        scv = interarrival_scv(series, step_s=self._scv_step_s)
+        counts = cumulative_arrivals(series)
+        if scv is None and counts is None:
             raise MeasurementUnavailable(
                 f"fewer than 3 sub-windows of {self._scv_step_s:g} s, or no arrivals"
             )
-        return scv
+        return _ArrivalSamples(scv=scv, counts=counts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ArrivalSamples:
+    scv: float | None  # None: too few sub-windows yet, or no arrivals
+    counts: tuple[CounterSample, ...] | None
 
 
 # -- the API's result shapes --------------------------------------------------------------

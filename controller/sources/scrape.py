@@ -36,7 +36,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
-from controller.sources.counters import CounterSample, corrected_increase, interarrival_scv
+from controller.sources.counters import (
+    CounterSample,
+    corrected_increase,
+    cumulative_arrivals,
+    interarrival_scv,
+)
 from controller.sources.histograms import DEFAULT_SAMPLES, histogram_quantile, length_samples
 from queueing.pools import Pool
 
@@ -191,13 +196,17 @@ class ScrapeSource:
             lengths = length_samples(
                 _by_le(prompt), _by_le(output), source="scraped histograms", n=self._n_samples
             )
+        counters = self._request_counters()
         return Observation(
             time_s=now_s,
             prefill=prefill,
             decode=decode,
             arrival_rate_rps=None if arrivals is None else sum(arrivals.values()),
             burst_arrival_rate_rps=None if burst_arrivals is None else sum(burst_arrivals.values()),
-            interarrival_scv=self._scv(),
+            interarrival_scv=interarrival_scv(counters, step_s=self._scv_step_s)
+            if counters
+            else None,
+            arrival_counts=cumulative_arrivals(counters) if counters else None,
             lengths=lengths,
             ttft_p99_s=self._p99(TTFT_BUCKETS),
             tpot_p99_s=self._p99(TPOT_BUCKETS),
@@ -258,14 +267,16 @@ class ScrapeSource:
         rates = self._rates(name, self._window_s)
         return None if rates is None else histogram_quantile(0.99, _by_le(rates))
 
-    def _scv(self) -> float | None:
+    def _request_counters(self) -> list[list[CounterSample]]:
+        """Each request counter's samples over the window (for its ca² and the
+        arrivals' record)."""
         newest = self._ring[-1]
         recent = [s for s in self._ring if newest.time_s - s.time_s <= self._window_s]
         series: list[list[CounterSample]] = []
         for key in newest.values:
             if key.name == REQUESTS:
                 series.append([(s.time_s, v) for s in recent if (v := s.value(key)) is not None])
-        return interarrival_scv(series, step_s=self._scv_step_s) if series else None
+        return series
 
 
 def _scrape_url(url: str) -> str:

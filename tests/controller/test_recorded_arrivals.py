@@ -16,6 +16,7 @@ from controller.config import ControllerConfig, ForecastConfig
 from controller.observation import Observation, PoolObservation
 from controller.policy import ControllerState
 from controller.policy.forecast import RecordedArrivals, forecast_rate_rps, trend_forecast
+from controller.sources.counters import cumulative_arrivals
 from controller.tick import forecast_config
 
 A_RPS, B_RPS_PER_S = 1.0, 0.05  # a ramp: 1 req/s rising by 3 req/s a minute
@@ -133,3 +134,75 @@ def test_under_a_flat_rate_the_trend_alarms_at_its_t_tests_level_when_bins_are_t
     noise = 4.0 * np.sqrt(level * (1 - level) / trials)  # four binomial s.d.
     assert abs(alarms(forecast.bin_s) / trials - level) <= noise
     assert alarms(TICK_S / 2) / trials > 2 * level
+
+
+class KnownArrivals:
+    """The history the simulator has: every arrival time."""
+
+    def __init__(self, arrival_s: np.ndarray, *, until_s: float) -> None:
+        self.arrival_s = np.sort(arrival_s)
+        self.since_s, self.until_s = 0.0, until_s
+
+    def counts_in_bins(self, edges_s: np.ndarray) -> np.ndarray:
+        return np.histogram(self.arrival_s, bins=edges_s)[0].astype(np.float64)
+
+
+def counted(
+    arrival_s: np.ndarray, *, scrapes_s: np.ndarray, ticks_s: np.ndarray
+) -> RecordedArrivals:
+    """The record a controller keeps when each tick reads the request counter's samples
+    (scraped at ``scrapes_s``) over its window."""
+    record = RecordedArrivals(keep_s=3600.0)
+    pool = PoolObservation(current_replicas=1, ready_replicas=1)
+    for now_s in ticks_s:
+        seen = scrapes_s[(scrapes_s > now_s - WINDOW_S) & (scrapes_s <= now_s)]
+        samples = [(float(t), float(np.searchsorted(arrival_s, t, side="right"))) for t in seen]
+        observed = Observation(
+            time_s=float(now_s),
+            prefill=pool,
+            decode=pool,
+            arrival_rate_rps=len(seen) / WINDOW_S,  # what a rate says; the counts win
+            arrival_counts=cumulative_arrivals([samples]),
+        )
+        record.note(observed, window_s=WINDOW_S, burst_window_s=BURST_S)
+    return record
+
+
+def ramp_arrivals(seed: int, until_s: float, *, slope: float = B_RPS_PER_S) -> np.ndarray:
+    """Poisson arrivals at A + slope t, by thinning a stream at the ramp's last rate."""
+    rng = np.random.default_rng(seed)
+    top_rps = A_RPS + slope * until_s
+    times = np.cumsum(rng.exponential(1 / top_rps, size=int(top_rps * until_s * 1.2)))
+    times = times[times < until_s]
+    return times[rng.random(len(times)) < (A_RPS + slope * times) / top_rps]
+
+
+def test_from_the_counters_samples_the_record_holds_the_very_arrivals_between_them() -> None:
+    arrival_s = ramp_arrivals(1, 200.0)
+    scrapes_s = np.arange(0.25, 200.0, 1.0)  # a 1-s scrape, out of phase with the ticks
+    record = counted(arrival_s, scrapes_s=scrapes_s, ticks_s=np.arange(TICK_S, 200.0, TICK_S))
+    edges = np.arange(40.25, 193.25 + 1e-9, 3.0)  # any edges on sample times
+    exact = np.histogram(arrival_s, bins=edges)[0]
+    assert record.counts_in_bins(edges) == pytest.approx(exact.astype(float), abs=1e-9)
+    assert record.until_s == pytest.approx(195.25)  # the newest sample before the last tick
+
+
+def test_the_trend_from_the_counters_is_the_trend_of_the_arrivals_themselves() -> None:
+    # With ticks between scrapes, the trend ends at the newest sample and extrapolates
+    # from there: the forecast is the one the arrivals give for the same bins.
+    decisions = 0
+    for seed in range(40):
+        arrival_s = ramp_arrivals(seed, 80.0, slope=0.2)  # 5 to 17 req/s
+        scrapes_s = np.arange(0.6, 80.0, 1.0)
+        ticks_s = np.arange(TICK_S, 80.0 + 1e-9, TICK_S)
+        record = counted(arrival_s, scrapes_s=scrapes_s, ticks_s=ticks_s)
+        now_s, newest_s = float(ticks_s[-1]), float(scrapes_s[scrapes_s <= ticks_s[-1]][-1])
+        kwargs = {"window_s": 30.0, "bin_s": TICK_S, "min_t_stat": 2.0, "min_rise": 0.0}
+        live = trend_forecast(record, now_s=now_s, horizon_s=10.0, **kwargs)
+        known = KnownArrivals(arrival_s, until_s=newest_s)
+        exact = trend_forecast(known, now_s=newest_s, horizon_s=10.0 + now_s - newest_s, **kwargs)
+        assert (live is None) == (exact is None)
+        if live is not None:
+            assert live == pytest.approx(exact, rel=1e-9)
+            decisions += 1
+    assert 10 < decisions < 40  # both answers are compared, on most draws a rise

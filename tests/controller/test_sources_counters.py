@@ -16,6 +16,7 @@ import pytest
 from controller.sources.counters import (
     CounterSample,
     corrected_increase,
+    cumulative_arrivals,
     dispersion_index,
     interarrival_scv,
 )
@@ -143,3 +144,52 @@ def test_the_scv_is_none_with_too_short_a_history_or_no_arrivals() -> None:
     assert interarrival_scv([], step_s=5.0) is None
     with pytest.raises(ValueError, match=r"^step_s:"):
         interarrival_scv([idle], step_s=0.0)
+
+
+def test_one_counter_s_record_counts_every_arrival_up_to_each_sample() -> None:
+    rng = np.random.default_rng(5)
+    arrivals = renewal(rng.exponential(1.0 / RATE_RPS, size=3000))
+    samples = scraped(arrivals, every_s=1.0, until_s=100.0, phase_s=0.4)
+    counts = cumulative_arrivals([samples])
+    assert counts is not None
+    times = np.array([t for t, _ in counts])
+    expected = np.searchsorted(arrivals, times, side="right") - np.searchsorted(
+        arrivals, times[0], side="right"
+    )
+    assert [n for _, n in counts] == pytest.approx(expected.astype(float), abs=0)
+
+
+def test_two_routers_records_sum_to_the_whole_stream_at_their_sample_times() -> None:
+    rng = np.random.default_rng(13)
+    arrivals = renewal(rng.exponential(1.0 / RATE_RPS, size=3000))
+    to_first = rng.random(len(arrivals)) < 0.5
+    first = scraped(arrivals[to_first], every_s=1.0, until_s=100.0, phase_s=0.3)
+    second = scraped(arrivals[~to_first], every_s=1.0, until_s=100.0, phase_s=0.7)
+    counts = cumulative_arrivals([first, second])
+    assert counts is not None
+    assert counts[0][0] == pytest.approx(0.7)  # from where both counters are read
+    # Between two of the first router's readings, its own arrivals are exact and the
+    # second's are those up to its reading just before each.
+
+    def by_time(t_s: float) -> float:
+        return next(n for s, n in counts if abs(s - t_s) < 1e-6)
+
+    a, b = 10.3, 60.3
+    own = np.count_nonzero((arrivals[to_first] > a) & (arrivals[to_first] <= b))
+    other = np.count_nonzero((arrivals[~to_first] > a - 0.6) & (arrivals[~to_first] <= b - 0.6))
+    assert by_time(b) - by_time(a) == own + other
+
+
+def test_a_restart_does_not_break_the_record() -> None:
+    rng = np.random.default_rng(3)
+    arrivals = renewal(rng.exponential(1.0 / RATE_RPS, size=4000))
+    samples = scraped(arrivals, every_s=1.0, until_s=150.0)
+    at_restart = dict(samples)[60.0]
+    restarted = [(t, v if t <= 60.0 else v - at_restart) for t, v in samples]
+    assert cumulative_arrivals([restarted]) == cumulative_arrivals([samples])
+
+
+def test_the_record_needs_two_readings_and_finite_values() -> None:
+    assert cumulative_arrivals([[(0.0, 3.0)]]) is None
+    assert cumulative_arrivals([]) is None
+    assert cumulative_arrivals([[(0.0, 1.0), (1.0, math.nan)]]) is None

@@ -9,6 +9,7 @@ listening, a hung server, a selector that matches nothing, a bad query) must giv
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import shutil
@@ -234,6 +235,16 @@ def test_the_measurements_match_the_driven_traffic(stack: Stack) -> None:
     # Evenly spaced arrivals are far more regular than Poisson (ca² = 1).
     assert observation.interarrival_scv is not None
     assert observation.interarrival_scv < 0.2
+    # The arrivals themselves, from the same samples: evenly spaced at the driven rate,
+    # so each scrape interval holds its length times the rate (up to how late in its
+    # scrape the router counted them), and the whole span exactly that.
+    counts = observation.arrival_counts
+    assert counts is not None
+    span_s = counts[-1][0] - counts[0][0]
+    assert span_s >= 0.8 * WINDOW_S
+    assert counts[-1][1] == pytest.approx(RATE_RPS * span_s, rel=0.02)
+    for (t0, n0), (t1, n1) in itertools.pairwise(counts):
+        assert (n1 - n0) == pytest.approx(RATE_RPS * (t1 - t0), rel=0.1, abs=1.0)
     assert observation.prefill_queue_depth == 3
     assert observation.kv_usage_fraction == 0.25
 

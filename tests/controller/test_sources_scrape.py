@@ -173,6 +173,10 @@ def test_burst_rate_and_ca2_from_scrapes_between_ticks(
     counts = np.add.reduceat(np.array(per_second, dtype=float), np.arange(0, 30, 5))
     expected = counts.var(ddof=1) / counts.mean()
     assert observation.interarrival_scv == pytest.approx(expected, rel=1e-9)
+    # The same snapshots record when the arrivals came: each second's own count.
+    assert observation.arrival_counts is not None
+    increments = np.diff([n for _, n in observation.arrival_counts])
+    assert increments.tolist() == per_second[-len(increments) :]
 
 
 def test_evenly_spaced_arrivals_have_zero_ca2(router: RouterExporter, clock: Clock) -> None:

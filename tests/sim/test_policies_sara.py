@@ -35,6 +35,7 @@ class ArrivalsOf:
     def __init__(self, arrival_s: np.ndarray, *, since_s: float = 0.0) -> None:
         self.arrival_s = np.sort(arrival_s)
         self.since_s = since_s
+        self.until_s = math.inf  # every arrival is known, up to any time asked
 
     def note(self, observation: object, *, window_s: float) -> None:
         pass
