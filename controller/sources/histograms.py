@@ -98,14 +98,23 @@ def bucket_samples(buckets: Iterable[Bucket], *, n: int = DEFAULT_SAMPLES) -> Fl
     return _quantiles(*normal, (np.arange(n, dtype=np.float64) + 0.5) / n)
 
 
+def histogram_count(buckets: Iterable[Bucket]) -> float | None:
+    """The observations the buckets hold (the ``+Inf`` bucket's count); ``None`` where
+    the buckets are malformed or empty."""
+    normal = _normalised(buckets)
+    return None if normal is None else float(normal[1][-1])
+
+
 def length_samples(
     prompt_buckets: Iterable[Bucket],
     output_buckets: Iterable[Bucket],
     *,
     source: str,
+    requests: float,
     n: int = DEFAULT_SAMPLES,
 ) -> LengthSamples | None:
-    """(prompt, output) token-length pairs reconstructed from two histograms.
+    """(prompt, output) token-length pairs reconstructed from two histograms, one pair
+    per request the window finished (``requests``, rounded, at least one), at most ``n``.
 
     Histograms keep the two marginals but lose which prompt came with which output.
     The pairs are formed in quantile order (the i-th shortest prompt with the i-th
@@ -114,14 +123,25 @@ def length_samples(
     context, the one quantity the pairing changes, is over- rather than
     under-estimated; it is also deterministic. Lengths are rounded up to whole tokens
     (an integer bound stays in its ``le`` bucket) and are at least 1.
-    ``None`` when either histogram has no observations.
+
+    Why one pair per request: the controller pools the windows' pairs, and a window
+    of exact samples (the simulator's) weighs in that pool by its requests. A fixed
+    number of pairs per histogram would weigh a quiet window of five requests — often
+    the shortest, the first to finish after a start — as much as a busy one of two
+    hundred (the demo's pooled mean output read 217 tokens where its requests held
+    258). The pairs are an evenly strided subset of the ``n``-quantile reconstruction,
+    its first and last included, so a window of few requests still reaches the
+    histogram's extremes instead of stopping at its ``(k - 0.5) / k`` quantile.
+    ``None`` when either histogram has no observations, or ``requests`` is not > 0.
     """
     prompt = bucket_samples(prompt_buckets, n=n)
     output = bucket_samples(output_buckets, n=n)
-    if prompt is None or output is None:
+    if prompt is None or output is None or not (math.isfinite(requests) and requests > 0):
         return None
+    pairs = min(n, max(1, round(requests)))
+    keep = np.linspace(0, n - 1, pairs).round().astype(np.int64)
     return LengthSamples(
-        prompt_tokens=_tokens(prompt), output_tokens=_tokens(output), source=source
+        prompt_tokens=_tokens(prompt[keep]), output_tokens=_tokens(output[keep]), source=source
     )
 
 

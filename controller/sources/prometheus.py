@@ -26,7 +26,12 @@ from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
 from controller.sources.counters import CounterSample, cumulative_arrivals, interarrival_scv
 from controller.sources.flavors import SARA, flavor_queries, join_matchers
-from controller.sources.histograms import DEFAULT_SAMPLES, Bucket, histogram_quantile
+from controller.sources.histograms import (
+    DEFAULT_SAMPLES,
+    Bucket,
+    histogram_count,
+    histogram_quantile,
+)
 from controller.sources.histograms import length_samples as samples_from_buckets
 from queueing.pools import Pool
 
@@ -181,6 +186,7 @@ class PrometheusSource:
                 values["prompt_buckets"],
                 values["output_buckets"],
                 source="prometheus histograms",
+                requests=histogram_count(values["output_buckets"]) or 0.0,
                 n=self._n_samples,
             )
         arrivals: _ArrivalSamples | None = values["interarrival_scv"]

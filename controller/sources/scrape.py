@@ -42,7 +42,12 @@ from controller.sources.counters import (
     cumulative_arrivals,
     interarrival_scv,
 )
-from controller.sources.histograms import DEFAULT_SAMPLES, histogram_quantile, length_samples
+from controller.sources.histograms import (
+    DEFAULT_SAMPLES,
+    histogram_count,
+    histogram_quantile,
+    length_samples,
+)
 from queueing.pools import Pool
 
 logger = logging.getLogger(__name__)
@@ -193,8 +198,13 @@ class ScrapeSource:
         output = self._rates(OUTPUT_BUCKETS, window)
         lengths = None
         if prompt is not None and output is not None:
+            finished = histogram_count(_by_le(output))  # per second, over the window
             lengths = length_samples(
-                _by_le(prompt), _by_le(output), source="scraped histograms", n=self._n_samples
+                _by_le(prompt),
+                _by_le(output),
+                source="scraped histograms",
+                requests=(finished or 0.0) * window,
+                n=self._n_samples,
             )
         counters = self._request_counters()
         return Observation(

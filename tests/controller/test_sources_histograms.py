@@ -121,7 +121,7 @@ def test_samples_in_the_inf_bucket_sit_at_the_highest_finite_bound() -> None:
 def test_lengths_are_whole_tokens_in_their_buckets_paired_in_quantile_order() -> None:
     prompt: list[Bucket] = [(128, 30), (512, 90), (2048, 100), (INF, 100)]
     output: list[Bucket] = [(0, 0), (64, 50), (256, 100), (INF, 100)]
-    lengths = length_samples(prompt, output, source="test", n=200)
+    lengths = length_samples(prompt, output, source="test", requests=400, n=200)
     assert lengths is not None and len(lengths) == 200 and lengths.source == "test"
     for values, buckets in ((lengths.prompt_tokens, prompt), (lengths.output_tokens, output)):
         assert values.dtype == np.int64 and values.min() >= 1
@@ -137,14 +137,55 @@ def test_lengths_are_whole_tokens_in_their_buckets_paired_in_quantile_order() ->
 def test_lengths_are_none_when_either_histogram_is_empty() -> None:
     empty: list[Bucket] = [(128, 0), (INF, 0)]
     full: list[Bucket] = [(128, 5), (INF, 5)]
-    assert length_samples(empty, full, source="test") is None
-    assert length_samples(full, empty, source="test") is None
+    assert length_samples(empty, full, source="test", requests=5) is None
+    assert length_samples(full, empty, source="test", requests=5) is None
+    assert length_samples(full, full, source="test", requests=0) is None
 
 
 def test_lengths_in_a_bucket_at_or_below_zero_are_one_token() -> None:
-    lengths = length_samples([(0, 3), (INF, 3)], [(0, 3), (INF, 3)], source="test", n=4)
+    lengths = length_samples(
+        [(0, 3), (INF, 3)], [(0, 3), (INF, 3)], source="test", requests=3.0, n=4
+    )
     assert lengths is not None
-    assert lengths.prompt_tokens.tolist() == [1, 1, 1, 1]
+    assert lengths.prompt_tokens.tolist() == [1, 1, 1]
+
+
+def test_a_window_gives_one_pair_per_request_it_finished_reaching_its_extremes() -> None:
+    # Five requests: five pairs, so the window weighs five in a pooled mix, spread from
+    # the reconstruction's lowest to its highest quantile.
+    prompt: list[Bucket] = [(100, 1), (1000, 4), (4000, 5), (INF, 5)]
+    output: list[Bucket] = [(10, 1), (100, 4), (500, 5), (INF, 5)]
+    five = length_samples(prompt, output, source="test", requests=5.2)
+    assert five is not None and len(five) == 5
+    every = bucket_samples(output)
+    assert every is not None
+    assert five.output_tokens.min() == math.ceil(every[0])
+    assert five.output_tokens.max() == math.ceil(every[-1])  # the top bucket is kept
+    # A busy window is capped at n; a fraction of a request still counts as one.
+    busy = length_samples(prompt, output, source="test", requests=10_000, n=300)
+    assert busy is not None and len(busy) == 300
+    tiny = length_samples(prompt, output, source="test", requests=0.3)
+    assert tiny is not None and len(tiny) == 1
+
+
+def test_pooled_windows_weigh_by_their_requests_as_exact_samples_do() -> None:
+    # A quiet window (10 short requests) and a busy one (190 long ones): pooled, the
+    # mean output is the requests' mean, as the windows' exact samples would give.
+    quiet: list[Bucket] = [(50, 10), (INF, 10)]
+    busy: list[Bucket] = [(50, 0), (400, 190), (INF, 190)]
+    pooled = np.concatenate(
+        [
+            w.output_tokens
+            for w in (
+                length_samples(quiet, quiet, source="quiet", requests=10),
+                length_samples(busy, busy, source="busy", requests=190),
+            )
+            if w is not None
+        ]
+    )
+    quiet_mean, busy_mean = 25.0, 225.0  # uniform within each bucket
+    exact = (10 * quiet_mean + 190 * busy_mean) / 200
+    assert pooled.mean() == pytest.approx(exact, rel=0.01)
 
 
 def test_n_must_be_positive() -> None:
