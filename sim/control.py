@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from controller.config import ControllerConfig
+from controller.histograms import TPOT_BUCKETS_S, TTFT_BUCKETS_S, bucketed, histogram_quantile
 from controller.observation import Observation, PoolObservation
 from controller.policy import CapacityModels, ControllerState, Decision
 from controller.tick import run_tick
@@ -127,17 +128,22 @@ def observation_from(
         burst_arrival_rate_rps=burst.window_arrival_rate_rps,
         interarrival_scv=window_scv(snap.window_arrival_s),
         lengths=_lengths(snap),
-        ttft_p99_s=_p99(snap.window_ttft_s),
-        tpot_p99_s=_p99(snap.window_tpot_s),
+        ttft_p99_s=_p99(snap.window_ttft_s, TTFT_BUCKETS_S),
+        tpot_p99_s=_p99(snap.window_tpot_s, TPOT_BUCKETS_S),
         prefill_queue_depth=float(snap.prefill.queue_length),
     )
 
 
-def _p99(values: np.ndarray) -> float | None:
+def _p99(values: np.ndarray, bounds: tuple[float, ...]) -> float | None:
+    """The window's P99 as the controller reads it from the router's histogram: linear
+    inside the bucket that holds the rank. On a latency tail the mass sits low in
+    each bucket, so this reads a few percent above the exact order statistic (about
+    5 % on the demo's windows, up to 13 %); a controller calibrated on the exact P99
+    would learn a smaller correction than the deployed one and size differently."""
     finite = values[np.isfinite(values)]
     if len(finite) < MIN_LATENCY_SAMPLES:
         return None
-    return float(np.quantile(finite, 0.99))
+    return histogram_quantile(0.99, bucketed(finite, bounds))
 
 
 def window_scv(arrivals: np.ndarray) -> float | None:

@@ -49,6 +49,7 @@ PURE_CORES = {
     "controller.crd.status",
     "controller.crd.openapi",
     "controller.tick",
+    "controller.histograms",
 }
 
 

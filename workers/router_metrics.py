@@ -40,36 +40,10 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from controller.histograms import TOKEN_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S
 from queueing.pools import Pool
 
-# Within a bucket ``histogram_quantile`` interpolates linearly, so a P99 read from a
-# window's histogram can sit anywhere in its bucket: with neighbours 1.33x apart it
-# can be off by a third, which the controller takes for the model's error (its
-# calibration) and sizes on, where the simulator reads exact P99s. Steps of at most
-# 1.17x bound that error to a sixth of the value. Every bound of the coarser
-# grid (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8) is kept, so SLOs set on one stay bounds.
-_DENSE = (
-    1.0, 1.1, 1.2, 1.25, 1.3, 1.4, 1.5, 1.6, 1.8, 2.0, 2.2, 2.5, 2.8, 3.0, 3.3, 3.6, 4.0,
-    4.5, 5.0, 5.5, 6.0, 7.0, 8.0, 9.0,
-)  # fmt: skip
-
-
-def _decades(first_exponent: int, last_exponent: int) -> tuple[float, ...]:
-    return tuple(
-        round(m * 10.0**e, 10) for e in range(first_exponent, last_exponent + 1) for m in _DENSE
-    )
-
-
-TTFT_BUCKETS_S: tuple[float, ...] = (
-    0.005, 0.0075, *_decades(-2, 0), 10.0, 12.5, 15.0, 20.0, 25.0, 30.0, 45.0, 60.0, 90.0,
-    120.0, 180.0, 300.0,
-)  # fmt: skip
-TPOT_BUCKETS_S: tuple[float, ...] = (
-    0.0005, 0.00075, *_decades(-3, -1), 1.0, 1.25, 1.5, 2.0, 3.0, 5.0,
-)  # fmt: skip
-TOKEN_BUCKETS: tuple[float, ...] = tuple(
-    float(b) for e in range(0, 18) for b in sorted({2**e, 3 * 2**e // 2}) if b <= 2**17
-)
+__all__ = ["TOKEN_BUCKETS", "TPOT_BUCKETS_S", "TTFT_BUCKETS_S", "Outcome", "RouterMetrics"]
 
 
 class Outcome(enum.Enum):

@@ -22,17 +22,17 @@ from typing import Any
 import httpx
 
 from controller.config import MetricsConfig
-from controller.observation import Observation, PoolObservation
-from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
-from controller.sources.counters import CounterSample, cumulative_arrivals, interarrival_scv
-from controller.sources.flavors import SARA, flavor_queries, join_matchers
-from controller.sources.histograms import (
+from controller.histograms import (
     DEFAULT_SAMPLES,
     Bucket,
     histogram_count,
     histogram_quantile,
 )
-from controller.sources.histograms import length_samples as samples_from_buckets
+from controller.histograms import length_samples as samples_from_buckets
+from controller.observation import Observation, PoolObservation
+from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
+from controller.sources.counters import CounterSample, cumulative_arrivals, interarrival_scv
+from controller.sources.flavors import SARA, flavor_queries, join_matchers
 from queueing.pools import Pool
 
 # The sara flavour's templates, by their historical names ($selector and $window).

@@ -34,6 +34,12 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.histograms import (
+    DEFAULT_SAMPLES,
+    histogram_count,
+    histogram_quantile,
+    length_samples,
+)
 from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
 from controller.sources.counters import (
@@ -41,12 +47,6 @@ from controller.sources.counters import (
     corrected_increase,
     cumulative_arrivals,
     interarrival_scv,
-)
-from controller.sources.histograms import (
-    DEFAULT_SAMPLES,
-    histogram_count,
-    histogram_quantile,
-    length_samples,
 )
 from queueing.pools import Pool
 

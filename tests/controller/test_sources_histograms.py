@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.sources.histograms import (
+from controller.histograms import (
     Bucket,
     bucket_samples,
     histogram_quantile,

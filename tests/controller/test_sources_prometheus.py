@@ -24,10 +24,10 @@ import httpx
 import numpy as np
 import pytest
 
+from controller.histograms import histogram_quantile
 from controller.observation import Observation, PoolObservation
 from controller.policy.forecast import RecordedArrivals
 from controller.sources import PrometheusSource
-from controller.sources.histograms import histogram_quantile
 from controller.sources.prometheus import (
     ARRIVAL_RATE_QUERY,
     PROMPT_BUCKETS_QUERY,

@@ -4,7 +4,9 @@ A bucket is ``(upper_bound, cumulative_count)`` as in the exposition format's ``
 label: the count of observations ``<= upper_bound``. Counts may be absolute or per
 second (rates): only their proportions matter. Both observation sources use these
 functions, so the scrape source's P99 is computed exactly as PromQL's
-``histogram_quantile`` (Prometheus 2.42, ``promql/quantile.go``) computes it:
+``histogram_quantile`` (Prometheus 2.42, ``promql/quantile.go``) computes it, and the
+simulator reads its windows' P99s through the router's buckets with it, so a
+back-tested controller calibrates on what a deployed one would see:
 
 - the buckets must include ``+Inf``; duplicate bounds are merged; counts are made
   non-decreasing (they can dip when the buckets are not scraped atomically);
@@ -28,6 +30,50 @@ FloatArray = npt.NDArray[np.float64]
 Bucket = tuple[float, float]  # (upper bound, cumulative count)
 
 DEFAULT_SAMPLES = 500
+
+# -- the buckets SARA's router exports (``workers.router_metrics``) ----------------------
+
+# Within a bucket ``histogram_quantile`` interpolates linearly, so a P99 read from a
+# window's histogram can sit anywhere in its bucket: with neighbours 1.33x apart it
+# can be off by a third, which the controller takes for the model's error (its
+# calibration) and sizes on, and the simulator reads its P99s through the same
+# buckets (``sim.control``), as a deployment's controller would. Steps of at most
+# 1.17x bound that error to a sixth of the value. Every bound of the coarser
+# grid (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8) is kept, so SLOs set on one stay bounds.
+_DENSE = (
+    1.0, 1.1, 1.2, 1.25, 1.3, 1.4, 1.5, 1.6, 1.8, 2.0, 2.2, 2.5, 2.8, 3.0, 3.3, 3.6, 4.0,
+    4.5, 5.0, 5.5, 6.0, 7.0, 8.0, 9.0,
+)  # fmt: skip
+
+
+def _decades(first_exponent: int, last_exponent: int) -> tuple[float, ...]:
+    return tuple(
+        round(m * 10.0**e, 10) for e in range(first_exponent, last_exponent + 1) for m in _DENSE
+    )
+
+
+TTFT_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.0075, *_decades(-2, 0), 10.0, 12.5, 15.0, 20.0, 25.0, 30.0, 45.0, 60.0, 90.0,
+    120.0, 180.0, 300.0,
+)  # fmt: skip
+TPOT_BUCKETS_S: tuple[float, ...] = (
+    0.0005, 0.00075, *_decades(-3, -1), 1.0, 1.25, 1.5, 2.0, 3.0, 5.0,
+)  # fmt: skip
+TOKEN_BUCKETS: tuple[float, ...] = tuple(
+    float(b) for e in range(0, 18) for b in sorted({2**e, 3 * 2**e // 2}) if b <= 2**17
+)
+
+
+def bucketed(values: npt.ArrayLike, bounds: Iterable[float]) -> list[Bucket]:
+    """The cumulative buckets a histogram with these (finite) bounds would hold for
+    ``values``, ``+Inf`` included: what a scrape of the router would show."""
+    data = np.sort(np.asarray(values, dtype=np.float64))
+    finite = sorted(float(b) for b in bounds)
+    counts = np.searchsorted(data, finite, side="right")
+    return [
+        *zip(finite, counts.astype(np.float64).tolist(), strict=True),
+        (math.inf, float(len(data))),
+    ]
 
 
 def _normalised(buckets: Iterable[Bucket]) -> tuple[FloatArray, FloatArray] | None:
