@@ -246,9 +246,30 @@ def run_segment(
 
     plan = build_plan(segment, PlanOptions(vocab_size=vocab_size), np.random.default_rng(0))
     timeline.phase_at.extend((s, ph.name) for s, ph in zip(starts_s, phases, strict=True))
+    started_wall_s = time.time()
     results = asyncio.run(run_load(router, plan, request_timeout_s=120.0))
     timeline.phase_at.append((time.monotonic() - t0, "end"))
-    return list(results)
+    return list(results), started_wall_s
+
+
+def live_tick_phase_s(serve_log: Path, load_started_wall_s: float, interval_s: float) -> float:
+    """Seconds from the load's start to the live controller's first tick after it (the
+    controller logs each tick's wall-clock time); 0 where no tick was logged.
+
+    The simulated controller ticks at the same offsets into the segment: a tick that
+    falls a second or two later sees different 4-s windows and can take a decision at
+    a threshold the other way (replayed at offsets 0-3 s apart, the simulator's own
+    after-burst P99 TPOT spans 0.051-0.065 s on this segment)."""
+    for line in serve_log.read_text(encoding="utf-8", errors="replace").splitlines():
+        if '"event": "tick"' not in line:
+            continue
+        try:
+            tick_s = float(json.loads(line[line.index("{") :])["time_s"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if tick_s >= load_started_wall_s:
+            return (tick_s - load_started_wall_s) % interval_s
+    return 0.0
 
 
 def live_stats(results: list[Any], rows: list[dict[str, Any]], slo: Any) -> PhaseStats:
@@ -282,8 +303,11 @@ def simulate(
     config: dict[str, Any],
     startup_s: float,
     token_budget: int,
+    tick_phase_s: float = 0.0,
 ) -> Simulated:
-    """The same requests at the same offsets through the simulator and the same tick."""
+    """The same requests at the same offsets through the simulator and the same tick,
+    ticking ``tick_phase_s`` after the segment's start and every interval after, as
+    the live controller did (``live_tick_phase_s``)."""
     from controller.config import ControllerConfig
     from controller.profiles import load_profile
     from queueing.pools import Pool
@@ -292,7 +316,10 @@ def simulate(
 
     controller = ControllerConfig.from_dict(config)
     profile = load_profile(controller.profile)
-    full = concatenate(pieces, starts_s)
+    # The simulated controller ticks at multiples of the interval from time 0: the
+    # segment starts ``lead_s`` in, so its ticks fall ``tick_phase_s`` into each interval.
+    lead_s = (controller.interval_s - tick_phase_s) % controller.interval_s
+    full = concatenate(pieces, [start + lead_s for start in starts_s])
     cluster = Cluster(
         ClusterConfig(
             prefill_workers=config["prefill"]["min_replicas"],
@@ -304,11 +331,16 @@ def simulate(
         ),
         full,
     )
-    run = run_controlled(cluster, controller, profile=profile, until_s=end_s)
+    run = run_controlled(cluster, controller, profile=profile, until_s=end_s + lead_s)
     results = cluster.finish()
     sizes = [
-        ((k + 1) * controller.interval_s, d.pools[Pool.PREFILL].target, d.pools[Pool.DECODE].target)
+        (
+            (k + 1) * controller.interval_s - lead_s,
+            d.pools[Pool.PREFILL].target,
+            d.pools[Pool.DECODE].target,
+        )
         for k, d in enumerate(run.decisions)
+        if (k + 1) * controller.interval_s >= lead_s  # none before the segment starts
     ]
     slo = controller.slo
     stats, lo = [], 0
@@ -501,7 +533,7 @@ def main_emulated(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             watcher = threading.Thread(target=monitor, args=(api, timeline, stop, t0), daemon=True)
             watcher.start()
-            results = run_segment(
+            results, load_started_wall_s = run_segment(
                 router, segment, phases, starts_s, vocab_size=EMULATED_VOCAB_SIZE,
                 timeline=timeline, t0=t0,
             )  # fmt: skip
@@ -526,6 +558,9 @@ def main_emulated(args: argparse.Namespace) -> int:
     for phase, st in zip(phases, live, strict=True):
         print(f"  {phase.name:<6} {json.dumps(st.__dict__)}")
     (out / "live.json").write_text(json.dumps([st.__dict__ for st in live], indent=1))
+    tick_phase_s = live_tick_phase_s(
+        out / "serve.log", load_started_wall_s, float(config["interval_s"])
+    )
     sim = simulate(
         pieces,
         starts_s,
@@ -533,6 +568,7 @@ def main_emulated(args: argparse.Namespace) -> int:
         config=config,
         startup_s=args.startup_s,
         token_budget=budget,
+        tick_phase_s=tick_phase_s,
     )
     print("\nlive (sara serve --engine emulated) vs simulated (the same requests, same policy):")
     print(side_by_side(phases, live, sim.phases))
