@@ -30,7 +30,6 @@ from queueing.profile import IterationProfile
 from sim.cluster import Cluster, ClusterSnapshot
 from sim.trace import FloatArray
 
-MIN_LENGTH_SAMPLES = 50
 MIN_LATENCY_SAMPLES = 20
 
 
@@ -157,7 +156,10 @@ def window_scv(arrivals: np.ndarray) -> float | None:
 
 
 def _lengths(snap: ClusterSnapshot) -> LengthSamples | None:
-    if len(snap.window_output_tokens) < MIN_LENGTH_SAMPLES:
+    """The pairs of the window's completed requests, however few: as a histogram window
+    gives one pair per request, and the controller pools windows until the mix holds
+    enough requests (``controller.policy.leadtime.MIN_POOLED_REQUESTS``)."""
+    if len(snap.window_output_tokens) == 0:
         return None
     return LengthSamples(
         prompt_tokens=snap.window_completed_prompt_tokens.astype(np.int64),

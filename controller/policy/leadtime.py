@@ -50,6 +50,10 @@ MIN_HISTORY = 3
 # At most this many (prompt, output) samples are kept per measurement window of the
 # pooled mix (an evenly strided subset), which bounds the persisted state.
 MAX_WINDOW_SAMPLES = 256
+# The fewest requests a pooled length mix must hold before a P99 is sized on it: below
+# about a hundred no order statistic lies past the 99th percentile, and below fifty the
+# mix's own upper tail (the prompts the P99 is made of) is a handful of requests.
+MIN_POOLED_REQUESTS = 50
 
 
 def risk_z(quantile: float) -> float:
@@ -308,8 +312,26 @@ def pool_window(
     return (*kept, added)
 
 
-def pooled_lengths(windows: tuple[LengthWindow, ...], *, now_s: float) -> LengthSamples | None:
+def pooled_requests(windows: tuple[LengthWindow, ...], *, window_s: float) -> float:
+    """About how many distinct requests the windows' pairs describe. Each window gives
+    one pair per request it saw (at most ``MAX_WINDOW_SAMPLES``), and consecutive
+    windows overlap: the oldest counts whole, each later one for the share of its
+    ``window_s`` that the one before did not cover."""
     if not windows:
+        return 0.0
+    total = float(len(windows[0].prompt_tokens))
+    for before, after in itertools.pairwise(windows):
+        fresh = min(max(after.time_s - before.time_s, 0.0) / window_s, 1.0)
+        total += len(after.prompt_tokens) * fresh
+    return total
+
+
+def pooled_lengths(
+    windows: tuple[LengthWindow, ...], *, now_s: float, window_s: float
+) -> LengthSamples | None:
+    """The pooled mix, or None while it describes fewer than ``MIN_POOLED_REQUESTS``
+    requests (``pooled_requests``)."""
+    if not windows or pooled_requests(windows, window_s=window_s) < MIN_POOLED_REQUESTS:
         return None
     return LengthSamples(
         prompt_tokens=np.concatenate([w.prompt_tokens for w in windows]),

@@ -30,12 +30,14 @@ from controller.observation import Observation, usable
 from controller.policy.calibration import calibrate
 from controller.policy.decision import Decision, PoolDecision
 from controller.policy.leadtime import (
+    MIN_POOLED_REQUESTS,
     bound_entry,
     detection_z,
     lead_time_s,
     measure_startup,
     pool_window,
     pooled_lengths,
+    pooled_requests,
     pooled_scv,
     rate_upper,
     record_rate,
@@ -103,7 +105,20 @@ def decide(
     windows = pool_window(
         state.length_windows, observation.lengths, now_s=now_s, pool_s=lead.pool_s
     )
-    lengths, lengths_entry = choose_lengths(pooled_lengths(windows, now_s=now_s), state.lengths)
+    seen_lengths = pooled_lengths(windows, now_s=now_s, window_s=config.window_s)
+    if seen_lengths is None and state.lengths is None:
+        # A first mix of a few requests would size a P99 on a handful of prompts (the
+        # first to finish after a start are the short ones): wait, gathering windows.
+        few = ReasonEntry(
+            stage=Stage.VALIDATE,
+            reason=Reason.METRICS_STALE,
+            pool=None,
+            detail=f"length mix of about {pooled_requests(windows, window_s=config.window_s):.0f} "
+            f"requests, fewer than the {MIN_POOLED_REQUESTS} a P99 needs: holding the "
+            "current replicas",
+        )
+        return _hold(observation, replace(state, length_windows=windows), current, few, now_s)
+    lengths, lengths_entry = choose_lengths(seen_lengths, state.lengths)
     this_tick = RateSample(time_s=now_s, rate_rps=raw_rate, estimate_rps=raw_rate, scv=seen_scv)
     pooled = pooled_scv((*state.rates, this_tick), now_s=now_s, pool_s=lead.pool_s)
     ca2_value = 1.0 if pooled is None else pooled

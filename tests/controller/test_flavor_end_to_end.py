@@ -221,7 +221,13 @@ def test_every_observation_field_is_populated(observed: Observed, flavor: Metric
 
 
 def targets(observation: Observation, config: ControllerConfig) -> tuple[int, int]:
-    decision = decide(observation, ControllerState(), config, now_s=100.0, models=CapacityModels())
+    # One window of this load holds about 48 requests, under the 50 a length mix needs
+    # (``leadtime.MIN_POOLED_REQUESTS``): the first tick holds and keeps the window, the
+    # second, a window later, decides on both (the same traffic, measured twice).
+    models = CapacityModels()
+    first = decide(observation, ControllerState(), config, now_s=100.0, models=models)
+    later = dataclasses.replace(observation, time_s=observation.time_s + WINDOW_S)
+    decision = decide(later, first.state, config, now_s=100.0 + WINDOW_S, models=models)
     return decision.pools[Pool.PREFILL].target, decision.pools[Pool.DECODE].target
 
 

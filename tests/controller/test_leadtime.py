@@ -14,11 +14,13 @@ from controller.observation import PoolObservation
 from controller.policy import ControllerState, PoolState, Reason
 from controller.policy.leadtime import (
     MAX_WINDOW_SAMPLES,
+    MIN_POOLED_REQUESTS,
     detection_z,
     lead_time_s,
     measure_startup,
     pool_window,
     pooled_lengths,
+    pooled_requests,
     pooled_scv,
     rate_upper,
     risk_z,
@@ -135,12 +137,18 @@ def test_the_startup_is_measured_from_the_decision_to_every_worker_ready() -> No
     pending = PoolState(scale_up_since_s=100.0, scale_up_to=4)
     # Not all ready yet: still pending.
     still, entry = measure_startup(
-        Pool.PREFILL, PoolObservation(current_replicas=4, ready_replicas=3), pending, CONFIG,
+        Pool.PREFILL,
+        PoolObservation(current_replicas=4, ready_replicas=3),
+        pending,
+        CONFIG,
         160.0,
     )
     assert still == pending and entry is None
     done, entry = measure_startup(
-        Pool.PREFILL, PoolObservation(current_replicas=4, ready_replicas=4), pending, CONFIG,
+        Pool.PREFILL,
+        PoolObservation(current_replicas=4, ready_replicas=4),
+        pending,
+        CONFIG,
         190.0,
     )
     # 90 s seen at tick resolution: half a tick is taken off.
@@ -150,8 +158,11 @@ def test_the_startup_is_measured_from_the_decision_to_every_worker_ready() -> No
     assert lead_time_s(done, CONFIG) == pytest.approx(75.0 + CONFIG.interval_s)
     # The second sample is averaged in (weight 1/2 while under 1/ema_weight samples).
     again, _ = measure_startup(
-        Pool.PREFILL, PoolObservation(current_replicas=5, ready_replicas=5),
-        replace(done, scale_up_since_s=200.0, scale_up_to=5), CONFIG, 260.0,
+        Pool.PREFILL,
+        PoolObservation(current_replicas=5, ready_replicas=5),
+        replace(done, scale_up_since_s=200.0, scale_up_to=5),
+        CONFIG,
+        260.0,
     )
     assert again.startup_s == pytest.approx((75.0 + 45.0) / 2)
 
@@ -159,7 +170,10 @@ def test_the_startup_is_measured_from_the_decision_to_every_worker_ready() -> No
 def test_a_scale_up_overtaken_by_a_smaller_target_is_dropped_unmeasured() -> None:
     pending = PoolState(scale_up_since_s=100.0, scale_up_to=4)
     got, entry = measure_startup(
-        Pool.DECODE, PoolObservation(current_replicas=3, ready_replicas=3), pending, CONFIG,
+        Pool.DECODE,
+        PoolObservation(current_replicas=3, ready_replicas=3),
+        pending,
+        CONFIG,
         200.0,
     )
     assert got.scale_up_since_s is None and got.startup_s is None and entry is None
@@ -178,7 +192,7 @@ def test_the_mix_and_the_scv_are_pooled_over_the_last_windows() -> None:
     for t, prompt in ((0.0, 100), (30.0, 200), (60.0, 300)):
         windows = pool_window(windows, mix(prompt, 1000), now_s=t, pool_s=60.0)
     # The window at 0 s fell out of the 60-s pool; each keeps an evenly strided subset.
-    pooled = pooled_lengths(windows, now_s=60.0)
+    pooled = pooled_lengths(windows, now_s=60.0, window_s=30.0)
     assert pooled is not None
     assert len(pooled.prompt_tokens) == 2 * MAX_WINDOW_SAMPLES
     assert float(pooled.prompt_tokens.mean()) == pytest.approx(250.0)
@@ -189,12 +203,36 @@ def test_the_mix_and_the_scv_are_pooled_over_the_last_windows() -> None:
     assert pooled_scv(rates, now_s=60.0, pool_s=60.0) == pytest.approx(2.0)
 
 
+def test_a_pooled_mix_of_too_few_requests_is_not_one_to_size_on() -> None:
+    def mix(n: int) -> LengthSamples:
+        return LengthSamples(
+            prompt_tokens=np.full(n, 500, dtype=np.int64),
+            output_tokens=np.full(n, 10, dtype=np.int64),
+            source="test",
+        )
+
+    # 30-s windows every 4 s: the first counts whole, each later one for the 4 s of
+    # its 30 it adds. A first window of 30 requests, then windows of 60: 30 + 4/30 of
+    # 60 = 8 per tick; after five more windows 70 requests, after two 46.
+    windows: tuple[LengthWindow, ...] = ()
+    seen = []
+    for k in range(6):
+        windows = pool_window(windows, mix(30 if k == 0 else 60), now_s=4.0 * k, pool_s=300.0)
+        seen.append(pooled_lengths(windows, now_s=4.0 * k, window_s=30.0) is not None)
+        assert pooled_requests(windows, window_s=30.0) == pytest.approx(30 + 8 * k)
+    assert seen == [False, False, False, True, True, True]  # from 54 requests on
+    # A window alone counts every request it saw.
+    one = pool_window((), mix(MIN_POOLED_REQUESTS), now_s=0.0, pool_s=300.0)
+    assert pooled_lengths(one, now_s=0.0, window_s=30.0) is not None
+
+
 def test_the_new_state_survives_its_json_codec() -> None:
     state = ControllerState(
         smoothed_rate_rps=3.0,
         pools=PerPool(
-            prefill=PoolState(startup_s=80.0, startup_samples=2, scale_up_since_s=5.0,
-                              scale_up_to=3),
+            prefill=PoolState(
+                startup_s=80.0, startup_samples=2, scale_up_since_s=5.0, scale_up_to=3
+            ),
             decode=PoolState(),
         ),
         rates=(RateSample(time_s=1.0, rate_rps=2.0, estimate_rps=2.5, scv=None),),
