@@ -59,21 +59,8 @@ TTFT_BUCKETS_S: tuple[float, ...] = (
 TPOT_BUCKETS_S: tuple[float, ...] = (
     0.0005, 0.00075, *_decades(-3, -1), 1.0, 1.25, 1.5, 2.0, 3.0, 5.0,
 )  # fmt: skip
-# Length buckets, four to an octave (steps of at most 1.25x from 4 tokens on) up to a
-# 128k context. Prompts clipped at a model's context pile up just under it, and the
-# P99 TTFT is made of those longest prompts: a histogram reconstruction spreads each
-# bucket's prompts evenly over it, so with steps of 1.5x a pile at 4,050 tokens of a
-# 4k context read back as spread over 3,072-4,096 (its mean 12 % short, the prefill
-# pool's P99 predicted 25 % low in the demo); with 1.25x over 3,584-4,096.
 TOKEN_BUCKETS: tuple[float, ...] = tuple(
-    sorted(
-        {
-            float(round(m * 2**e))
-            for e in range(0, 18)
-            for m in (1.0, 1.25, 1.5, 1.75)
-            if round(m * 2**e) <= 2**17
-        }
-    )
+    float(b) for e in range(0, 18) for b in sorted({2**e, 3 * 2**e // 2}) if b <= 2**17
 )
 
 

@@ -29,8 +29,7 @@ and several routers in a process never share series.
 ``histogram_quantile`` cannot see past the last finite bucket, so the latency
 buckets run far past any SLO (TTFT to 300 s, TPOT to 5 s), and are dense where
 SLOs sit (ratio at most 1.17 between neighbours from 10 ms to 10 s, resp. 1 ms to
-1 s). Token buckets run to 131072 (a 128k context) in steps of at most 1.25x from 4 on
-(``controller.histograms.TOKEN_BUCKETS`` says why).
+1 s). Token buckets run to 131072 (a 128k context) in steps of at most 1.5x from 2 on.
 """
 
 from __future__ import annotations

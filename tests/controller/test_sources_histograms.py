@@ -10,10 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controller.histograms import (
-    TOKEN_BUCKETS,
     Bucket,
     bucket_samples,
-    bucketed,
     histogram_quantile,
     length_samples,
 )
@@ -188,30 +186,6 @@ def test_pooled_windows_weigh_by_their_requests_as_exact_samples_do() -> None:
     quiet_mean, busy_mean = 25.0, 225.0  # uniform within each bucket
     exact = (10 * quiet_mean + 190 * busy_mean) / 200
     assert pooled.mean() == pytest.approx(exact, rel=0.01)
-
-
-def test_a_pile_of_prompts_at_the_context_limit_reads_back_near_it() -> None:
-    # 7 % of the prompts clipped just under a 4k context (as the demo's segment is),
-    # the rest lognormal. Read back from buckets, the pile spreads evenly over its
-    # bucket: 3,584-4,096 on the router's grid (its mean 5 % short), 3,072-4,096 on a
-    # grid of 1.5x steps (12 % short), which cut the prefill P99 the model predicts.
-    rng = np.random.default_rng(5)
-    body = np.minimum(np.exp(rng.normal(6.3, 0.8, 9300)), 3000.0)
-    pile = rng.uniform(4040.0, 4068.0, 700)
-    prompts = np.concatenate([body, pile])
-    coarse = sorted({float(b) for e in range(18) for b in (2**e, 3 * 2**e // 2)})
-
-    def pile_read_back(bounds: list[float] | tuple[float, ...]) -> float:
-        buckets = bucketed(prompts, bounds)
-        lengths = length_samples(buckets, buckets, source="test", requests=len(prompts))
-        assert lengths is not None
-        return float(np.sort(lengths.prompt_tokens)[-len(lengths) * 7 // 100 :].mean())
-
-    assert pile_read_back(TOKEN_BUCKETS) == pytest.approx(
-        (3584 + 4096) / 2, rel=0.01
-    )  # the bucket's middle
-    assert pile_read_back(TOKEN_BUCKETS) > 0.94 * pile.mean()
-    assert pile_read_back(coarse) < 0.9 * pile.mean()
 
 
 def test_n_must_be_positive() -> None:
