@@ -58,6 +58,7 @@ from controller.policy.state import ControllerState, PoolState, RateSample
 from controller.policy.steady import overloaded
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage, outcome
 from queueing.catalog import resolve_profile
+from queueing.lengths import observed_within_context
 from queueing.pools import PerPool, Pool
 from queueing.profile import IterationProfile
 from queueing.solver import DEFAULT_QUANTILE, CapacityModel, evaluate_pool
@@ -122,7 +123,9 @@ def decide(
     this_tick = RateSample(time_s=now_s, rate_rps=raw_rate, estimate_rps=raw_rate, scv=seen_scv)
     pooled = pooled_scv((*state.rates, this_tick), now_s=now_s, pool_s=lead.pool_s)
     ca2_value = 1.0 if pooled is None else pooled
-    model = models.get(lengths, profile, config)
+    # Observed requests fit the context; pairs rebuilt from histograms may not.
+    fitting = observed_within_context(lengths, profile.max_context_tokens)
+    model = models.get(fitting, profile, config)
     # The shift, burst and overload tests share one threshold (Bonferroni over the
     # history's ticks, ``leadtime.detection_z``).
     detect_z = detection_z(DEFAULT_QUANTILE, max(1.0, lead.history_s / config.interval_s))

@@ -31,20 +31,24 @@ from controller.tick import run_tick
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.pools import PerPool, Pool
+from queueing.profile import exceeds_context
 from queueing.solver import CapacityModel, KvLink, SloTargets, evaluate, solve
 from sim.trace_io import load_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
 _ALL = load_lengths(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv")
-LENGTHS = LengthSamples(
-    prompt_tokens=_ALL.prompt_tokens[::8].copy(),
-    output_tokens=_ALL.output_tokens[::8].copy(),
-    source="conv/8",
-)
 CONFIG = ControllerConfig(
     profile="llama-2-70b-tp4@h100-sxm", slo=SloConfig(ttft_p99_s=1.0, tpot_p99_s=0.1)
 )
 PROFILE = resolve_profile(CONFIG.profile)
+# What a router in front of this 4k-context model would have counted: the requests
+# that fit its context (it rejects the others before they are observed).
+_FITS = ~exceeds_context(_ALL.prompt_tokens, _ALL.output_tokens, PROFILE.max_context_tokens)
+LENGTHS = LengthSamples(
+    prompt_tokens=_ALL.prompt_tokens[_FITS][::8].copy(),
+    output_tokens=_ALL.output_tokens[_FITS][::8].copy(),
+    source="conv/8, within the context",
+)
 # A lower bound on one prompt's prefill time: its tokens at the per-token cost alone
 # (no fixed cost per iteration, no attention). So N workers serve at most
 # N / MIN_PROMPT_S prompts per second, whatever the model makes of the rest.
