@@ -124,13 +124,18 @@ def test_two_routers_read_at_different_moments_sum_to_the_whole_stream() -> None
     within_standard_errors(interarrival_scv(series, step_s=5.0), 1.0, int(DURATION_S / 5))
 
 
-def test_a_restart_does_not_change_the_estimate() -> None:
+def with_a_restart() -> tuple[list[CounterSample], list[CounterSample]]:
+    """A counter's readings, and the same readings had its process restarted just
+    after the reading at 60 s (later readings count from 0)."""
     rng = np.random.default_rng(3)
     arrivals = renewal(rng.exponential(1.0 / RATE_RPS, size=4000))
     samples = scraped(arrivals, every_s=1.0, until_s=150.0)
-    # The process restarts just after the reading at 60 s: later readings count from 0.
     at_restart = dict(samples)[60.0]
-    restarted = [(t, v if t <= 60.0 else v - at_restart) for t, v in samples]
+    return samples, [(t, v if t <= 60.0 else v - at_restart) for t, v in samples]
+
+
+def test_a_restart_does_not_change_the_estimate() -> None:
+    samples, restarted = with_a_restart()
     assert interarrival_scv([restarted], step_s=5.0) == pytest.approx(
         interarrival_scv([samples], step_s=5.0), rel=1e-12
     )
@@ -181,11 +186,7 @@ def test_two_routers_records_sum_to_the_whole_stream_at_their_sample_times() -> 
 
 
 def test_a_restart_does_not_break_the_record() -> None:
-    rng = np.random.default_rng(3)
-    arrivals = renewal(rng.exponential(1.0 / RATE_RPS, size=4000))
-    samples = scraped(arrivals, every_s=1.0, until_s=150.0)
-    at_restart = dict(samples)[60.0]
-    restarted = [(t, v if t <= 60.0 else v - at_restart) for t, v in samples]
+    samples, restarted = with_a_restart()
     assert cumulative_arrivals([restarted]) == cumulative_arrivals([samples])
 
 
