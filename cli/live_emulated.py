@@ -293,6 +293,8 @@ def live_stats(results: list[Any], rows: list[dict[str, Any]], slo: Any) -> Phas
 class Simulated:
     phases: list[PhaseStats]
     sizes: list[tuple[float, int, int]]  # (time s, prefill, decode) at every tick
+    ttft_s: np.ndarray  # per request of the segment, in its order (NaN: none)
+    tpot_s: np.ndarray
 
 
 def simulate(
@@ -344,6 +346,7 @@ def simulate(
     ]
     slo = controller.slo
     stats, lo = [], 0
+    total = sum(len(piece) for piece in pieces)
     for piece, start, stop in zip(pieces, starts_s, [*starts_s[1:], end_s], strict=True):
         idx = np.arange(lo, lo + len(piece))
         lo += len(piece)
@@ -364,7 +367,29 @@ def simulate(
                 },
             )
         )
-    return Simulated(phases=stats, sizes=sizes)
+    return Simulated(
+        phases=stats,
+        sizes=sizes,
+        ttft_s=results.ttft_s[:total].copy(),
+        tpot_s=results.tpot_s[:total].copy(),
+    )
+
+
+def write_requests(path: Path, live: list[Any], sim: Simulated) -> None:
+    """One CSV row per request of the segment: when it was due, how late the load
+    generator sent it, and its TTFT and TPOT live and in the simulator — where the two
+    part, request by request."""
+
+    def cell(value: float | None) -> str:
+        return "" if value is None or not math.isfinite(value) else f"{value:.4f}"
+
+    lines = ["scheduled_s,send_lag_s,prompt_tokens,ttft_s,sim_ttft_s,tpot_s,sim_tpot_s"]
+    for r, sim_ttft, sim_tpot in zip(live, sim.ttft_s, sim.tpot_s, strict=True):
+        lines.append(
+            f"{r.scheduled_s:.3f},{r.send_lag_s:.4f},{r.prompt_tokens},{cell(r.ttft_s)},"
+            f"{cell(float(sim_ttft))},{cell(r.tpot_s)},{cell(float(sim_tpot))}"
+        )
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def _p99(values: np.ndarray) -> float | None:
@@ -576,6 +601,7 @@ def main_emulated(args: argparse.Namespace) -> int:
     png = out / "demo.png"
     plot(timeline, sim, png, args.ttft_p99, args.tpot_p99)
     (out / "timeline.json").write_text(json.dumps(timeline.rows, indent=1))
+    write_requests(out / "requests.csv", results, sim)
     peak = max((r["prefill"] or 0 for r in timeline.rows), default=0)
     print(
         f"\nplot: {png}   prefill workers peaked at {peak}; "

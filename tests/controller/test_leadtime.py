@@ -203,27 +203,60 @@ def test_the_mix_and_the_scv_are_pooled_over_the_last_windows() -> None:
     assert pooled_scv(rates, now_s=60.0, pool_s=60.0) == pytest.approx(2.0)
 
 
-def test_a_pooled_mix_of_too_few_requests_is_not_one_to_size_on() -> None:
-    def mix(n: int) -> LengthSamples:
-        return LengthSamples(
-            prompt_tokens=np.full(n, 500, dtype=np.int64),
-            output_tokens=np.full(n, 10, dtype=np.int64),
-            source="test",
-        )
+def _mix(n: int) -> LengthSamples:
+    return LengthSamples(
+        prompt_tokens=np.full(n, 500, dtype=np.int64),
+        output_tokens=np.full(n, 10, dtype=np.int64),
+        source="test",
+    )
 
-    # 30-s windows every 4 s: the first counts whole, each later one for the 4 s of
-    # its 30 it adds. A first window of 30 requests, then windows of 60: 30 + 4/30 of
-    # 60 = 8 per tick; after five more windows 70 requests, after two 46.
+
+def _windows_of(finish_s: np.ndarray, ticks_s: np.ndarray, window_s: float):
+    """The pooled windows a controller ticking at ``ticks_s`` gathers from requests
+    finishing at ``finish_s``, each window holding one pair per request it saw."""
     windows: tuple[LengthWindow, ...] = ()
-    seen = []
-    for k in range(6):
-        windows = pool_window(windows, mix(30 if k == 0 else 60), now_s=4.0 * k, pool_s=300.0)
-        seen.append(pooled_lengths(windows, now_s=4.0 * k, window_s=30.0) is not None)
-        assert pooled_requests(windows, window_s=30.0) == pytest.approx(30 + 8 * k)
-    assert seen == [False, False, False, True, True, True]  # from 54 requests on
-    # A window alone counts every request it saw.
-    one = pool_window((), mix(MIN_POOLED_REQUESTS), now_s=0.0, pool_s=300.0)
-    assert pooled_lengths(one, now_s=0.0, window_s=30.0) is not None
+    for t in ticks_s:
+        seen = int(((finish_s > t - window_s) & (finish_s <= t)).sum())
+        windows = pool_window(windows, _mix(seen) if seen else None, now_s=t, pool_s=300.0)
+        yield t, windows
+
+
+def test_a_pooled_mix_of_too_few_requests_is_not_one_to_size_on() -> None:
+    # 30-s windows every 4 s: one window of 49 requests is too few, one of 50 enough.
+    few = pool_window((), _mix(MIN_POOLED_REQUESTS - 1), now_s=0.0, pool_s=300.0)
+    assert pooled_lengths(few, now_s=0.0, window_s=30.0) is None
+    enough = pool_window((), _mix(MIN_POOLED_REQUESTS), now_s=0.0, pool_s=300.0)
+    assert pooled_lengths(enough, now_s=0.0, window_s=30.0) is not None
+    # Overlapping windows count each request once: ten windows of the same 40 requests
+    # (all finished in the first second) are still 40 requests.
+    finish = np.linspace(0.1, 1.0, 40)
+    *_, (_, same) = _windows_of(finish, np.arange(4.0, 28.0, 4.0) + 1.0, 30.0)
+    assert pooled_requests(same, window_s=30.0) == pytest.approx(40)
+    assert pooled_lengths(same, now_s=25.0, window_s=30.0) is None
+
+
+def test_the_pooled_count_follows_the_requests_finished_through_a_start_and_a_ramp() -> None:
+    # Completions from a start at 0 s at a rate rising from 0.5 to 4 req/s over 200 s
+    # (their count to time t: 0.5 t + 7 t^2 / 800), windows of 30 s every 4 s. Until the
+    # pool's 300 s are full every finished request is in the pool: the count must
+    # follow them to within what one tick's gap per 30 s can hold, never above them.
+    t_max = 200.0
+    grid = np.linspace(0.0, t_max, 200_001)
+    cumulative = 0.5 * grid + 7.0 * grid**2 / 800.0
+    finish_s = np.interp(np.arange(1, int(cumulative[-1])) + 0.5, cumulative, grid)
+    for t, windows in _windows_of(finish_s, np.arange(4.0, t_max, 4.0), 30.0):
+        finished = int((finish_s <= t).sum())
+        counted = pooled_requests(windows, window_s=30.0)
+        assert counted <= finished * 1.01 + 1
+        assert counted >= finished * 0.9 - 1, (t, counted, finished)
+
+
+def test_a_hole_in_the_windows_is_not_filled_in() -> None:
+    # Thirty requests finished at 5-25 s and thirty at 105-125 s; no windows between.
+    finish_s = np.concatenate([np.linspace(5, 25, 30), np.linspace(105, 125, 30)])
+    ticks = np.concatenate([np.arange(4.0, 32.0, 4.0), np.arange(104.0, 132.0, 4.0)])
+    *_, (_, windows) = _windows_of(finish_s, ticks, 30.0)
+    assert pooled_requests(windows, window_s=30.0) == pytest.approx(60)
 
 
 def test_the_new_state_survives_its_json_codec() -> None:
