@@ -586,6 +586,7 @@ def main_emulated(args: argparse.Namespace) -> int:
     tick_phase_s = live_tick_phase_s(
         out / "serve.log", load_started_wall_s, float(config["interval_s"])
     )
+    print(f"the simulated controller ticks {tick_phase_s:.2f} s into each interval, as live")
     sim = simulate(
         pieces,
         starts_s,

@@ -245,7 +245,11 @@ def moved(observation: Observation, *, rate_factor: float, scv_factor: float) ->
 def test_the_engine_flavours_decide_what_the_sara_flavour_decides_within_the_noise(
     observed: Observed,
 ) -> None:
-    config = ControllerConfig(profile=PROFILE, slo=SloConfig(ttft_p99_s=SLO_TTFT_P99_S))
+    # The controller's window is the sources' (consecutive windows a window apart do
+    # not overlap, so the second tick's mix holds both windows' requests).
+    config = ControllerConfig(
+        profile=PROFILE, slo=SloConfig(ttft_p99_s=SLO_TTFT_P99_S), window_s=WINDOW_S
+    )
     sara = observed.observations[MetricsFlavor.SARA]
     assert sara.arrival_rate_rps is not None
     # The rate counts N arrivals in the window: Poisson, relative s.d. 1/sqrt(N). The
