@@ -175,9 +175,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         startup_s = _startup_s(args, profile)
         if startup_s > 0:
-            logging.info("emulating the profile's startup: %.1f s", startup_s)
-            if stop.wait(startup_s):  # stopped while starting: nothing held, nothing to drain
-                return 0
+            # The profile's start-up runs from the scale-up that launched the process to
+            # its first served request, so the interpreter's start and the imports are
+            # part of it: waiting the whole start-up after them made a 5-s start-up
+            # last 10 s live where the simulator's lasted 5.
+            spent_s = process_age_s()
+            logging.info(
+                "emulating the profile's startup: %.1f s (%.1f s of it starting the process)",
+                startup_s,
+                min(spent_s, startup_s),
+            )
+            if spent_s < startup_s and stop.wait(startup_s - spent_s):
+                return 0  # stopped while starting: nothing held, nothing to drain
         return int(worker.run(stop))
     finally:
         http.stop()
@@ -296,6 +305,21 @@ def _emulated_engine(
     except (OSError, ValueError) as exc:
         field = "kv-scale" if str(exc).startswith("kv_scale") else "model"
         raise UsageError(f"--{field}: {exc}") from exc
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time
+    against the uptime); 0 where the system does not say."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            # Fields after the command's closing parenthesis start at field 3; the
+            # start time (clock ticks after boot) is field 22.
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as uptime:
+            uptime_s = float(uptime.read().split()[0])
+        return max(0.0, uptime_s - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _startup_s(args: argparse.Namespace, profile: Any) -> float:
