@@ -405,16 +405,14 @@ class LeadTimeConfig:
 
     enabled: bool = knob(
         default=True,
-        doc="Plan for the upper quantile of the rate over the lead time (off: the "
-        "smoothed rate).",
+        doc="Plan for the upper quantile of the rate over the lead time (off: the smoothed rate).",
     )
     startup_prior_s: float = knob(
         default=120.0,
         unit="s",
         ge=0,
         le=86_400,
-        doc="A worker's start-up assumed until the pool's first scale-up is measured, "
-        "seconds.",
+        doc="A worker's start-up assumed until the pool's first scale-up is measured, seconds.",
     )
     startup_ema_weight: float = knob(
         default=0.2,

@@ -18,7 +18,7 @@ from controller.config import ControllerConfig, ForecastConfig
 from controller.observation import ObservationSource
 from controller.policy import CapacityModels, ControllerState, Decision, decide
 from controller.policy.forecast import ArrivalHistory, forecast_rate_rps
-from controller.policy.leadtime import lead_time_s
+from controller.policy.leadtime import forecast_horizon_s
 from queueing.pools import Pool
 from queueing.profile import IterationProfile, ProfileError
 
@@ -65,10 +65,7 @@ def forecast_config(config: ControllerConfig, state: ControllerState) -> Forecas
     spurious rise read from one noisy tick); the back-test bins as the live
     controller can, though the simulator knows every arrival."""
     forecast = replace(config.forecast, bin_s=max(config.forecast.bin_s, config.interval_s))
-    if not config.lead_time.enabled:
-        return forecast
-    horizon_s = max(lead_time_s(pstate, config) for _, pstate in state.pools.items())
-    return replace(forecast, horizon_s=horizon_s)
+    return replace(forecast, horizon_s=forecast_horizon_s(state.pools, config))
 
 
 def run_tick(
@@ -96,7 +93,10 @@ def run_tick(
 
     def failed(error: str) -> Tick:
         record = TickRecord(
-            time_s=now_s, config_version=config_version, decision=None, applied=False,
+            time_s=now_s,
+            config_version=config_version,
+            decision=None,
+            applied=False,
             error=error,
         )
         return Tick(record=record, state=state, decide_s=None)
@@ -110,9 +110,7 @@ def run_tick(
     except (OSError, ProfileError) as exc:
         return failed(f"profile: {exc}")
     observation = source.observe(now_s=now_s, replicas=replicas)
-    history.note(
-        observation, window_s=config.window_s, burst_window_s=config.burst_window_s
-    )
+    history.note(observation, window_s=config.window_s, burst_window_s=config.burst_window_s)
     forecast = forecast_rate_rps(history, now_s=now_s, config=forecast_config(config, state))
     started = timer()
     decision = decide(

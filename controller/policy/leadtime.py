@@ -42,7 +42,8 @@ from controller.observation import PoolObservation
 from controller.policy.state import LengthWindow, PoolState, RateSample
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.lengths import LengthSamples
-from queueing.pools import Pool
+from queueing.pools import PerPool, Pool
+from queueing.solver import CapacityModel
 
 # The fewest past estimates whose lead-time error is known before the history's
 # spread is used (below it, only the estimate's own noise is).
@@ -169,6 +170,50 @@ def lead_time_s(pstate: PoolState, config: ControllerConfig) -> float:
     if startup_s is None:
         startup_s = config.lead_time.startup_prior_s
     return startup_s + config.interval_s
+
+
+def forecast_horizon_s(pools: PerPool[PoolState], config: ControllerConfig) -> float:
+    """How far ahead the forecaster looks: with lead-time planning, the longer of the
+    pools' lead times, so it sees as far as a worker started now takes to serve;
+    otherwise the configured ``forecast.horizon_s``."""
+    if not config.lead_time.enabled:
+        return config.forecast.horizon_s
+    return max(lead_time_s(pstate, config) for _, pstate in pools.items())
+
+
+def response_s(
+    pool: Pool, model: CapacityModel, *, workers: int, rate_rps: float, toward_rps: float
+) -> float:
+    """How long the pool's load takes to follow the arrival rate from ``rate_rps``
+    toward ``toward_rps``.
+
+    A decode pool's batch is the requests still decoding: it follows the rate through
+    its relaxation time (``DecodeModel.relaxation_s``, the linearised response of the
+    mean batch around the current rate; tens of seconds for outputs of hundreds of
+    tokens), so on a line λ(t) = a + b·t the batch at time H is the one a steady rate
+    λ(H - τ) would keep. Where the pool could not keep up at ``toward_rps`` there is no
+    steady batch to relax to (the batch grows for as long as the rate stays there):
+    zero, so the pool follows the forecast whole — as it does at zero rate, and as a
+    prefill queue does, which follows within a few prompt service times (the safe
+    side)."""
+    if pool is Pool.PREFILL or rate_rps <= 0:
+        return 0.0
+    workers = max(1, workers)
+    if not model.decode.is_stable(workers=workers, arrival_rate_rps=max(rate_rps, toward_rps)):
+        return 0.0
+    return model.decode.relaxation_s(workers=workers, arrival_rate_rps=rate_rps)
+
+
+def forecast_at(
+    forecast_rps: float, *, estimate_rps: float, horizon_s: float, at_s: float
+) -> float:
+    """The forecast for ``horizon_s`` ahead read at ``at_s`` ahead instead: on the line
+    from the estimate now to the forecast (the trend is a line; over a lead time the
+    daily cycle nearly is one), never beyond either end."""
+    if horizon_s <= 0:
+        return forecast_rps
+    share = min(max(at_s / horizon_s, 0.0), 1.0)
+    return estimate_rps + (forecast_rps - estimate_rps) * share
 
 
 # -- the rate's upper quantile -------------------------------------------------------------

@@ -33,6 +33,8 @@ from controller.policy.leadtime import (
     MIN_POOLED_REQUESTS,
     bound_entry,
     detection_z,
+    forecast_at,
+    forecast_horizon_s,
     lead_time_s,
     measure_startup,
     pool_window,
@@ -41,6 +43,7 @@ from controller.policy.leadtime import (
     pooled_scv,
     rate_upper,
     record_rate,
+    response_s,
     risk_z,
     window_spread,
 )
@@ -189,13 +192,21 @@ def decide(
     else:
         planned = PerPool.both(estimate)
     forecast = forecast_rate_rps if usable(forecast_rate_rps) else None
-    raised = planned
-    for pool in Pool:
-        value, maybe = with_forecast(planned[pool], forecast)
-        raised = raised.with_value(pool, value)
-        if maybe is not None and pool is Pool.PREFILL:
-            reasons.append(maybe)
-    planned = raised
+    if forecast is not None:
+        horizon = forecast_horizon_s(state.pools, config)
+        for pool in Pool:
+            # Each pool reads the forecast where its load will be when a worker asked
+            # for now serves: its lead time less the time its load takes to follow
+            # the rate (a decode batch lags the arrivals by its relaxation time).
+            lag = response_s(
+                pool, model, workers=current[pool], rate_rps=estimate, toward_rps=forecast
+            )
+            pool_lead = lead_time_s(measured_pools[pool], config) if lead.enabled else horizon
+            ahead_s = min(max(pool_lead - lag, 0.0), horizon)
+            seen = forecast_at(forecast, estimate_rps=estimate, horizon_s=horizon, at_s=ahead_s)
+            value, maybe = with_forecast(planned[pool], seen, pool=pool, read_at_s=ahead_s)
+            planned = planned.with_value(pool, value)
+            reasons.extend([maybe] if maybe else [])
     rate = max(planned.prefill, planned.decode)
 
     moved = any(

@@ -23,7 +23,7 @@ from controller.policy.leadtime import detection_z, significant
 from controller.policy.state import ControllerState
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.lengths import LengthSamples
-from queueing.pools import PerPool
+from queueing.pools import PerPool, Pool
 from queueing.solver import DEFAULT_QUANTILE
 
 # The shift and burst tests' threshold with the default tick and history (3.77).
@@ -157,9 +157,14 @@ def plan_for_overload(
 
 
 def with_forecast(
-    rate_rps: float, forecast_rate_rps: float | None
+    rate_rps: float,
+    forecast_rate_rps: float | None,
+    *,
+    pool: Pool | None = None,
+    read_at_s: float | None = None,
 ) -> tuple[float, ReasonEntry | None]:
-    """The planning rate: the smoothed rate, raised to the forecast when it is higher.
+    """The planning rate: the smoothed rate, raised to the forecast when it is higher
+    (``read_at_s``: how far ahead the pool read the forecast, said in the reason).
 
     The forecast only raises the rate the pools are sized for: the EMA keeps tracking
     measurements, and calibration and the safety check stay on the measured rate, so
@@ -172,9 +177,10 @@ def with_forecast(
     return forecast_rate_rps, ReasonEntry(
         stage=Stage.SMOOTH,
         reason=Reason.FORECAST_RAISED,
-        pool=None,
-        detail=f"forecast {forecast_rate_rps:.3g} req/s > {rate_rps:.3g}: "
-        f"planning for the forecast",
+        pool=pool,
+        detail=f"forecast {forecast_rate_rps:.3g} req/s"
+        + ("" if read_at_s is None else f" ({read_at_s:.3g} s ahead)")
+        + f" > {rate_rps:.3g}: planning for the forecast",
     )
 
 

@@ -16,6 +16,8 @@ from controller.policy.leadtime import (
     MAX_WINDOW_SAMPLES,
     MIN_POOLED_REQUESTS,
     detection_z,
+    forecast_at,
+    forecast_horizon_s,
     lead_time_s,
     measure_startup,
     pool_window,
@@ -23,13 +25,16 @@ from controller.policy.leadtime import (
     pooled_requests,
     pooled_scv,
     rate_upper,
+    response_s,
     risk_z,
     significant,
     window_spread,
 )
 from controller.policy.state import LengthWindow, RateSample
+from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.pools import PerPool, Pool
+from queueing.solver import CapacityModel, KvLink
 
 CONFIG = ControllerConfig()
 
@@ -279,3 +284,44 @@ def test_the_new_state_survives_its_json_codec() -> None:
     assert back.pools == state.pools and back.rates == state.rates
     assert back.length_windows[0].prompt_tokens.tolist() == [5, 6]
     assert back.to_dict() == state.to_dict()
+
+
+def test_a_forecast_is_read_on_the_line_from_the_estimate_to_its_horizon() -> None:
+    # 8 req/s now, 12 at 10 s ahead: 10 at 5 s; never beyond either end.
+    assert forecast_at(12.0, estimate_rps=8.0, horizon_s=10.0, at_s=5.0) == pytest.approx(10.0)
+    assert forecast_at(12.0, estimate_rps=8.0, horizon_s=10.0, at_s=0.0) == pytest.approx(8.0)
+    assert forecast_at(12.0, estimate_rps=8.0, horizon_s=10.0, at_s=-3.0) == pytest.approx(8.0)
+    assert forecast_at(12.0, estimate_rps=8.0, horizon_s=10.0, at_s=25.0) == pytest.approx(12.0)
+
+
+def test_the_forecast_looks_as_far_as_the_longer_lead_time_or_the_configured_horizon() -> None:
+    pools = PerPool(
+        prefill=replace(PoolState(), startup_s=40.0), decode=replace(PoolState(), startup_s=90.0)
+    )
+    assert forecast_horizon_s(pools, CONFIG) == pytest.approx(90.0 + CONFIG.interval_s)
+    off = replace(CONFIG, lead_time=replace(CONFIG.lead_time, enabled=False))
+    assert forecast_horizon_s(pools, off) == CONFIG.forecast.horizon_s
+
+
+def test_a_decode_batch_follows_the_rate_by_its_relaxation_time_a_prefill_queue_at_once() -> None:
+    profile = resolve_profile("llama-2-70b-tp4@h100-sxm")
+    lengths = LengthSamples(
+        prompt_tokens=np.full(64, 800, dtype=np.int64),
+        output_tokens=np.full(64, 200, dtype=np.int64),
+        source="800 in, 200 out",
+    )
+    model = CapacityModel.build(lengths, profile, tpot_slo_s=0.1, link=KvLink(bytes_per_s=5e10))
+    # One worker, 2 req/s: the relaxation time E[n] T / (1 - rho) of the mean batch,
+    # more than the 199 iterations of a 200-token output at their floor t0.
+    tau = response_s(Pool.DECODE, model, workers=1, rate_rps=2.0, toward_rps=3.0)
+    assert tau == model.decode.relaxation_s(workers=1, arrival_rate_rps=2.0)
+    assert 199 * profile.t0_s < tau
+    assert response_s(Pool.PREFILL, model, workers=1, rate_rps=2.0, toward_rps=3.0) == 0.0
+    # Toward a rate the worker cannot keep up with, the batch grows without a level to
+    # relax to: the pool follows the forecast at once.
+    limit = 1.0 / (
+        model.decode.decode_fraction * model.decode.mean_steps * model.decode.member_cost_s
+    )
+    assert model.decode.is_stable(workers=1, arrival_rate_rps=0.99 * limit)
+    assert response_s(Pool.DECODE, model, workers=1, rate_rps=2.0, toward_rps=1.01 * limit) == 0.0
+    assert response_s(Pool.DECODE, model, workers=1, rate_rps=2.0, toward_rps=0.99 * limit) > 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -384,9 +385,7 @@ def test_a_window_too_small_for_a_p99_teaches_calibration_nothing() -> None:
     d1 = decide(observation(30.0, rate, 2, 1, ttft=predicted * 10), d0.state, CONFIG, now_s=30.0)
     assert d1.state.pools.prefill.calibration == 1.0
     assert d1.pools.prefill.model_error == pytest.approx(9.0)  # still reported
-    assert any(
-        r.reason is Reason.CALIBRATION_FROZEN and r.pool is Pool.PREFILL for r in d1.reasons
-    )
+    assert any(r.reason is Reason.CALIBRATION_FROZEN and r.pool is Pool.PREFILL for r in d1.reasons)
 
 
 def test_state_survives_a_json_round_trip() -> None:
@@ -498,6 +497,53 @@ def test_a_forecast_below_the_smoothed_rate_or_unusable_changes_nothing(
     assert recommended(other) == recommended(plain)
     assert other.planning_rate_rps == plain.planning_rate_rps
     assert not any(r.reason is Reason.FORECAST_RAISED for r in other.reasons)
+
+
+def _forecast_read(d: Decision, pool: Pool) -> tuple[float, float] | None:
+    """(rate, seconds ahead) of the pool's FORECAST_RAISED reason, if it has one."""
+    for r in d.reasons:
+        if r.reason is Reason.FORECAST_RAISED and r.pool is pool:
+            found = re.search(r"forecast ([\d.e+]+) req/s \(([\d.e+-]+) s ahead\)", r.detail)
+            assert found, r.detail
+            return float(found[1]), float(found[2])
+    return None
+
+
+def test_the_decode_pool_reads_the_forecast_its_batchs_relaxation_time_short_of_its_lead() -> None:
+    # The batch on one decode worker follows the rate with the relaxation time tau, so
+    # at the lead time it holds what a steady rate lambda(lead - tau) would keep: on
+    # the line from the estimate (8 req/s) to the forecast (24 req/s at the lead).
+    d0 = _steady()
+    ahead = decide(
+        observation(30.0, 8.0, 2, 1), d0.state, CONFIG, now_s=30.0, forecast_rate_rps=24.0
+    )
+    model = CapacityModel.build(
+        LENGTHS, PROFILE, tpot_slo_s=0.1, link=KvLink(bytes_per_s=400e9 / 8)
+    )
+    tau = model.decode.relaxation_s(workers=1, arrival_rate_rps=8.0)
+    lead = CONFIG.lead_time.startup_prior_s + CONFIG.interval_s
+    assert 0 < tau < lead
+    assert _forecast_read(ahead, Pool.PREFILL) == pytest.approx((24.0, lead), rel=5e-3)
+    decode = _forecast_read(ahead, Pool.DECODE)
+    assert decode == pytest.approx((8.0 + 16.0 * (lead - tau) / lead, lead - tau), rel=5e-3)
+
+
+def test_a_decode_batch_slower_than_the_lead_time_is_not_raised_by_a_forecast() -> None:
+    # Workers that start in a second, ticks every 5 s: a 6-s lead time, shorter than
+    # the decode batch's relaxation time (about 9 s here), so the decode pool's load
+    # when a worker asked for now serves is today's; the prefill queue's is the
+    # forecast's.
+    fast = replace(CONFIG, interval_s=5.0, lead_time=replace(CONFIG.lead_time, startup_prior_s=1.0))
+    d0 = decide(observation(0.0, 8.0, 2, 1), ControllerState(), fast, now_s=0.0)
+    ahead = decide(observation(5.0, 8.0, 2, 1), d0.state, fast, now_s=5.0, forecast_rate_rps=24.0)
+    model = CapacityModel.build(
+        LENGTHS, PROFILE, tpot_slo_s=0.1, link=KvLink(bytes_per_s=400e9 / 8)
+    )
+    assert model.decode.relaxation_s(workers=1, arrival_rate_rps=8.0) > 6.0
+    assert _forecast_read(ahead, Pool.PREFILL) == pytest.approx((24.0, 6.0), rel=5e-3)
+    assert _forecast_read(ahead, Pool.DECODE) is None
+    plain = decide(observation(5.0, 8.0, 2, 1), d0.state, fast, now_s=5.0)
+    assert ahead.pools.decode.recommended == plain.pools.decode.recommended
 
 
 def test_while_the_serving_workers_fall_behind_the_plan_follows_the_measured_rate() -> None:
