@@ -10,8 +10,9 @@ function in its own module returning its value and a reason (HPA-style):
                               — start-ups measured, the length mix and SCV pooled,
                                 EMA of the rate with shift, burst and overload
                                 bypasses, each pool's upper quantile of the rate
-                                over its lead time, the forecast (which only
-                                raises the planning rate);
+                                over its lead time, the forecast read where each
+                                pool's load will be (it only raises the planning
+                                rate);
 3. calibrate  (calibration)   — observed / predicted P99 per pool, outside transients;
 4. recommend  (recommend)     — the solver at the planning rate with headroom;
 5. normalise  (normalisation) — safety at the raw rate, dead-band, stabilisation,
@@ -81,10 +82,12 @@ def decide(
     (a profile file is read by the caller, since this function does no I/O);
     ``models`` is the caller's cache of capacity models.
 
-    ``forecast_rate_rps`` (optional, req/s) is a forecaster's rate for when a worker
-    started now would serve (``forecast.forecast_rate_rps``). It raises the planning
-    rate and nothing else (see ``smoothing.with_forecast``); missing, NaN or negative
-    means no forecast."""
+    ``forecast_rate_rps`` (optional, req/s) is a forecaster's rate for
+    ``leadtime.forecast_horizon_s`` ahead (``forecast.forecast_rate_rps``); each pool
+    reads it on the line from the estimate at its own horizon, its lead time less the
+    time its load takes to follow the rate (``leadtime.response_s``). It raises the
+    planning rate and nothing else (see ``smoothing.with_forecast``); missing, NaN or
+    negative means no forecast."""
     current = PerPool.build(lambda pool: observation.replicas(pool).current_replicas)
     ok, entry = validate(observation, state, config, now_s)
     if not ok:
