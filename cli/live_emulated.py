@@ -273,6 +273,9 @@ def live_tick_phase_s(serve_log: Path, load_started_wall_s: float, interval_s: f
 
 
 def live_stats(results: list[Any], rows: list[dict[str, Any]], slo: Any) -> PhaseStats:
+    """The phase's live figures. Its workers are the controller's targets, as the
+    simulator's ``sizes`` are: the status's ``current`` is what a tick observed before
+    deciding, one tick behind its ``desired``."""
     from cli.loadgen import summarize
 
     report = summarize(results, ttft_slo_s=slo.ttft_p99_s, tpot_slo_s=slo.tpot_p99_s)
@@ -283,7 +286,9 @@ def live_stats(results: list[Any], rows: list[dict[str, Any]], slo: Any) -> Phas
         ttft_p99_s=None if report.ttft_s is None else report.ttft_s.p99,
         tpot_p99_s=None if report.tpot_s is None else report.tpot_s.p99,
         workers={
-            pool: _span([r[pool] for r in rows if isinstance(r[pool], int)])
+            pool: _span(
+                [r[f"{pool}_desired"] for r in rows if isinstance(r[f"{pool}_desired"], int)]
+            )
             for pool in ("prefill", "decode")
         },
     )
@@ -436,11 +441,13 @@ def plot(timeline: Timeline, sim: Simulated, path: Path, ttft_slo: float, tpot_s
     axes[0].plot(t, series("smoothed_rate_rps"), label="smoothed (EMA)")
     axes[0].set_ylabel("arrivals (req/s)")
     st = [s[0] for s in sim.sizes]
-    axes[1].step(t, series("prefill"), where="post", label="prefill (live)")
-    axes[1].step(t, series("decode"), where="post", label="decode (live)")
+    # Targets on both sides (``live_stats``): the live status's current replicas lag
+    # its targets by a tick, and would read as a controller a tick slower.
+    axes[1].step(t, series("prefill_desired"), where="post", label="prefill (live)")
+    axes[1].step(t, series("decode_desired"), where="post", label="decode (live)")
     axes[1].step(st, [s[1] for s in sim.sizes], where="post", linestyle="--", label="prefill (sim)")
     axes[1].step(st, [s[2] for s in sim.sizes], where="post", linestyle="--", label="decode (sim)")
-    axes[1].set_ylabel("workers")
+    axes[1].set_ylabel("workers (targets)")
     axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[2].plot(t, series("ttft_p99_s"), label="P99 TTFT (controller's view)")
     axes[2].axhline(ttft_slo, color="red", linestyle="--", label="SLO")
@@ -450,8 +457,11 @@ def plot(timeline: Timeline, sim: Simulated, path: Path, ttft_slo: float, tpot_s
     axes[3].set_ylabel("seconds")
     axes[3].set_xlabel("time (s)")
     finish_plot(
-        fig, axes, timeline,
-        "sara serve --engine emulated: load, workers (live and simulated), P99s", path,
+        fig,
+        axes,
+        timeline,
+        "sara serve --engine emulated: load, workers (live and simulated), P99s",
+        path,
     )
 
 
