@@ -231,7 +231,7 @@ def test_a_skewed_class_is_the_shifted_gamma_of_its_three_moments() -> None:
         )
         assert p99 == pytest.approx(fitted.ppf(0.99), rel=1e-3)
         assert _class_density(mean, sd, skew, p99)[0] == pytest.approx(fitted.pdf(p99), rel=0.02)
-    # Without skewness it is the normal.
+    # Without skewness it is the normal (to the 1e-9 floor kept on the skewness).
     assert _class_survival(mean, sd, np.array([0.0]), 0.034)[0] == pytest.approx(
-        stats.norm(0.030, 0.002).sf(0.034), rel=1e-12
+        stats.norm(0.030, 0.002).sf(0.034), rel=1e-8
     )
