@@ -232,22 +232,60 @@ def main(
     print(decision_summary("both", prefill + decode))
 
 
-def probe_wait(*, seed: int, cases: int, index: int, requests: int) -> None:
-    """One drawn case's probability of waiting: the share of arrivals that find no
-    idle prefill worker in the simulator (one run of ``requests``, its first 5 %
-    left out), against the model's P_w."""
-    import sim.cluster
-
+def _drawn_case(*, seed: int, cases: int, index: int) -> tuple[Case, LengthSamples]:
+    """Case ``index`` of the ``cases`` drawn from ``seed`` (the same draws as ``main``)."""
     profiles = [resolve_profile(name) for name in PROFILES]
     long_profiles = [resolve_profile(name) for name in LONG_PROFILES]
     contexts = {p.name: max_context(p) for p in (*profiles, *long_profiles)}
-    case, samples = draw_cases(
+    return draw_cases(
         cases,
         profiles=profiles,
         long_profiles=long_profiles,
         max_context=contexts,
         rng=np.random.default_rng(seed),
     )[index]
+
+
+def probe_burst(*, seed: int, cases: int, index: int, requests: int, replications: int) -> None:
+    """One drawn case at its own pools, under arrivals of SCV 1, 2, 4 and 8: the
+    predicted and simulated P99 TPOT. The decode pool's arrivals are the prefill
+    pool's departures; a simulated TPOT that moves less with the SCV than the
+    prediction shows how much of the arrivals' burstiness the prefill pool smooths
+    away before the decode pool sees it."""
+    import dataclasses
+
+    case, samples = _drawn_case(seed=seed, cases=cases, index=index)
+    model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
+    rate = case.utilisation * case.prefill_workers / model.prefill.mean_service_s
+    decode = decode_workers_for(model, rate, case.ca2, case.utilisation)
+    print(
+        f"seed {seed} case {index}: {case.label}, {case.profile.name}, N {case.prefill_workers}, "
+        f"M {decode} (held), u {case.utilisation:.2f}, drawn ca2 {case.ca2:g}"
+    )
+    for ca2 in (1.0, 2.0, 4.0, 8.0):
+        result = run_case(
+            dataclasses.replace(case, ca2=ca2),
+            samples,
+            requests=requests_for(case.prefill_workers, requests, ca2),
+            replications=replications,
+            decisions=False,
+            decode_workers=decode,
+        )
+        print(
+            f"  ca2 {ca2:g}: P99 TPOT predicted {1e3 * result.tpot_pred_s:.2f} ms, simulated "
+            f"{1e3 * result.tpot_sim.mean_s:.2f} ms +- {100 * result.tpot_sim.relative_ci:.1f} %"
+            f" ({100 * result.tpot_err:+.1f} %)",
+            flush=True,
+        )
+
+
+def probe_wait(*, seed: int, cases: int, index: int, requests: int) -> None:
+    """One drawn case's probability of waiting: the share of arrivals that find no
+    idle prefill worker in the simulator (one run of ``requests``, its first 5 %
+    left out), against the model's P_w."""
+    import sim.cluster
+
+    case, samples = _drawn_case(seed=seed, cases=cases, index=index)
     model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
     n = case.prefill_workers
     rate = case.utilisation * n / model.prefill.mean_service_s

@@ -18,6 +18,7 @@ half-width of a t-interval (95 %) over the replications, relative to the mean.
     .venv/bin/python bench/model_fidelity.py --random   # drawn cases (bench/fidelity_random.py)
     .venv/bin/python bench/model_fidelity.py --random --quick
     .venv/bin/python bench/model_fidelity.py --random --quick --probe-wait 6   # one case's P_w
+    .venv/bin/python bench/model_fidelity.py --random --probe-burst 34   # TPOT against the SCV
 """
 
 from __future__ import annotations
@@ -183,9 +184,25 @@ def main() -> None:
         metavar="INDEX",
         help="--random: case INDEX's probability of waiting, simulated and modelled",
     )
+    parser.add_argument(
+        "--probe-burst",
+        type=int,
+        metavar="INDEX",
+        help="--random: case INDEX's P99 TPOT at arrival SCV 1, 2, 4, 8, simulated and modelled",
+    )
     args = parser.parse_args()
     if args.random:
         import fidelity_random
+
+        if args.probe_burst is not None:
+            fidelity_random.probe_burst(
+                seed=args.seed,
+                cases=16 if args.quick else args.cases,
+                index=args.probe_burst,
+                requests=4_000,
+                replications=4,
+            )
+            return
 
         if args.probe_wait is not None:
             fidelity_random.probe_wait(

@@ -359,6 +359,7 @@ def run_case(
     replications: int,
     decisions: bool = True,
     max_replications: int | None = None,
+    decode_workers: int | None = None,
 ) -> CaseResult:
     """Predict and simulate one case (and, with ``decisions``, its pools one smaller).
 
@@ -366,6 +367,8 @@ def run_case(
     at N and N - 1 (or M and M - 1) are closer than their intervals but more than 1 %
     apart, or while either P99's interval is wider than ``WIDE_INTERVAL`` of it,
     ``replications`` more are run at both sizes, up to ``max_replications`` in all.
+    ``decode_workers`` holds the decode pool's size (by default the case's own,
+    ``decode_workers_for``).
     """
     model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
     n = case.prefill_workers
@@ -373,7 +376,11 @@ def run_case(
     # the demand, of which the requests beyond the context are rejected.
     rate = case.utilisation * n / model.prefill.mean_service_s
     demand = rate / (1.0 - model.rejected_share)
-    m = decode_workers_for(model, rate, case.ca2, case.utilisation)
+    m = (
+        decode_workers_for(model, rate, case.ca2, case.utilisation)
+        if decode_workers is None
+        else decode_workers
+    )
     # The pools one smaller are run over the same window (their decode fills slower
     # still, but the SLO is drawn between the two and only their order matters).
     transient = transient_s(model, samples, decode_workers=m, rate=rate, ca2=case.ca2)
