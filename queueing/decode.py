@@ -514,12 +514,16 @@ def _class_survival(mean: FloatArray, sd: FloatArray, skew: FloatArray, x: float
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 
 
-def _class_density(mean: FloatArray, sd: FloatArray, skew: FloatArray, x: float) -> FloatArray:
-    """The density of ``_class_survival``'s distributions at x."""
-    t, slope = _cube_root_normal(mean, sd, skew, x)
+def _density(t: FloatArray, slope: FloatArray) -> FloatArray:
+    """The density phi(t) dt/dx of P(TPOT > x) = Phi(-t), from ``_cube_root_normal``."""
     with np.errstate(under="ignore"):
         result: FloatArray = np.exp(-0.5 * t * t) * slope / _SQRT_2PI
     return result
+
+
+def _class_density(mean: FloatArray, sd: FloatArray, skew: FloatArray, x: float) -> FloatArray:
+    """The density of ``_class_survival``'s distributions at x."""
+    return _density(*_cube_root_normal(mean, sd, skew, x))
 
 
 def _averaging(x: FloatArray) -> FloatArray:
@@ -560,8 +564,7 @@ def _mixture_quantile(
             lo = x
         else:
             hi = x
-        with np.errstate(under="ignore"):
-            density = float(np.dot(weights, np.exp(-0.5 * t * t) * slope)) / _SQRT_2PI
+        density = float(np.dot(weights, _density(t, slope)))
         if survival > 0 and density > 0:
             step = x + (math.log(survival) - log_p) * survival / density
         else:
