@@ -347,6 +347,25 @@ class PrefillModel:
         busy_s = self.busy_service_s(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
         return arrival_rate_rps * busy_s / workers
 
+    def departure_scv(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> float:
+        """The SCV of the gaps between prompts leaving the pool — the decode pool's
+        arrivals — by the linking equation of Whitt's Queueing Network Analyzer
+        (W. Whitt, Bell System Technical Journal 62, 1983):
+
+            c_d² = 1 + (1 − ρ²)(c_a² − 1) + ρ²(c_s² − 1) / √N
+
+        A busy pool releases prompts at its own pace whatever the arrivals' bursts:
+        a share ρ² of the gaps takes the service's variability (averaged over N
+        workers), the rest the arrivals'. A burst of bursty arrivals reaching a loaded
+        pool leaves it as a queue drained at the service rate, so the decode pool
+        sees a smoother stream than the router does. ρ is the solo-and-packed busy
+        fraction (``utilisation``), at most 1 (an overloaded pool releases at its
+        service rate alone)."""
+        rho = self.utilisation(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
+        loaded = min(1.0, rho) ** 2
+        service_part = loaded * (self.service_scv - 1.0) / math.sqrt(workers)
+        return max(0.0, 1.0 + (1.0 - loaded) * (ca2 - 1.0) + service_part)
+
     def is_stable(self, *, workers: int, arrival_rate_rps: float) -> bool:
         return arrival_rate_rps * self.packed_service_s < workers
 

@@ -1,7 +1,10 @@
 """The capacity solver: the fewest prefill and decode workers that meet both SLOs.
 
 Each pool is searched on its own (DESIGN §3.4): the prefill pool sets TTFT, the
-decode pool TPOT, and neither prediction depends on the other pool's size. A count
+decode pool TPOT. The decode pool's arrivals are the prefill pool's departures, which
+a loaded prefill pool smooths (``CapacityModel.arrival_scv``), so the prefill pool is
+sized first and the decode pool at the arrival SCV that pool passes on; the prefill
+prediction does not depend on the decode pool (it applies no back-pressure). A count
 is *feasible* when the pool is stable, its predicted P99 is at most the SLO divided
 by (1 + headroom), and (decode) the P99 of its batch and reserved KV fit the worker.
 Feasibility only improves as workers are added (property-tested), so the search
@@ -110,6 +113,19 @@ class CapacityModel:
         """The rate the pools serve out of ``demand_rps`` requests per second of this
         mix, the too-long ones included: they are rejected and take no capacity."""
         return demand_rps * (1.0 - self.rejected_share)
+
+    def arrival_scv(
+        self, pool: Pool, *, prefill_workers: int, arrival_rate_rps: float, ca2: float
+    ) -> float:
+        """The SCV of the gaps between the arrivals ``pool`` sees, when requests arrive
+        with gap SCV ``ca2`` at ``arrival_rate_rps`` and ``prefill_workers`` prefill
+        them: the requests' own for the prefill pool, the prefill pool's departures'
+        for the decode pool (``PrefillModel.departure_scv``)."""
+        if pool is Pool.PREFILL:
+            return ca2
+        return self.prefill.departure_scv(
+            workers=prefill_workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+        )
 
     def of(self, pool: Pool) -> PrefillModel | DecodeModel:
         """The pool's model (both answer ``is_stable`` and ``floor_quantile_s``)."""
@@ -264,6 +280,79 @@ def _smallest_feasible(
     return hi, blocked
 
 
+def _check_tpot_floor(model: CapacityModel, tpot_target_s: float, q: float) -> None:
+    floor_s = model.decode.floor_quantile_s(q)
+    if floor_s > tpot_target_s:
+        raise InfeasibleSLOError(
+            slo_name="tpot_p99_s",
+            target_s=tpot_target_s,
+            floor_s=floor_s,
+            reason="a lone request's decode steps plus its KV handoff already take longer",
+        )
+
+
+def _smallest_decode(
+    model: CapacityModel,
+    rate: float,
+    decode_ca2: float,
+    target_s: float,
+    q: float,
+    max_workers: int,
+) -> tuple[int, BindingConstraint]:
+    """The fewest decode workers meeting ``target_s`` at the decode pool's own
+    arrival SCV, and what blocks one fewer."""
+
+    def decode_check(m: int) -> BindingConstraint | None:
+        return _decode_check(model, m, rate, decode_ca2, target_s, q)
+
+    start = min(max_workers, model.decode.min_stable_workers(rate))
+    decode = _smallest_feasible(decode_check, start, max_workers)
+    if decode is None:
+        raise InfeasibleSLOError(
+            slo_name="tpot_p99_s",
+            target_s=target_s,
+            floor_s=model.decode.floor_quantile_s(q),
+            reason=f"more than max_workers={max_workers} decode workers would be needed",
+        )
+    return decode
+
+
+def solve_decode(
+    model: CapacityModel,
+    *,
+    prefill_workers: int,
+    arrival_rate_rps: float,
+    ca2: float,
+    slo: SloTargets,
+    headroom: float = 0.1,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+) -> tuple[int, BindingConstraint]:
+    """The fewest decode workers meeting the TPOT SLO (with headroom) behind a given
+    prefill pool, whose departures are the decode pool's arrivals, and what blocks
+    one fewer. Raises ``InfeasibleSLOError`` as ``solve`` does for TPOT."""
+    whole = isinstance(prefill_workers, int) and not isinstance(prefill_workers, bool)
+    if not whole or prefill_workers < 1:
+        raise ValueError(f"prefill_workers: must be an integer >= 1, got {prefill_workers!r}")
+    _check_inputs(arrival_rate_rps, ca2, headroom)
+    target_s = slo.tpot_p99_s / (1.0 + headroom)
+    _check_tpot_floor(model, target_s, slo.quantile)
+    decode_ca2 = model.arrival_scv(
+        Pool.DECODE, prefill_workers=prefill_workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+    )
+    return _smallest_decode(
+        model, arrival_rate_rps, decode_ca2, target_s, slo.quantile, max_workers
+    )
+
+
+def _check_inputs(arrival_rate_rps: float, ca2: float, headroom: float) -> None:
+    if not (math.isfinite(arrival_rate_rps) and arrival_rate_rps > 0):
+        raise ValueError(f"arrival_rate_rps: must be a finite number > 0, got {arrival_rate_rps!r}")
+    if not (math.isfinite(ca2) and ca2 >= 0):
+        raise ValueError(f"ca2: must be a finite number >= 0, got {ca2!r}")
+    if not (math.isfinite(headroom) and 0 <= headroom < 10):
+        raise ValueError(f"headroom: must be in [0, 10), got {headroom!r}")
+
+
 def solve(
     model: CapacityModel,
     *,
@@ -278,12 +367,7 @@ def solve(
     Raises ``InfeasibleSLOError`` when an SLO is below what unlimited workers give,
     or when ``max_workers`` is not enough.
     """
-    if not (math.isfinite(arrival_rate_rps) and arrival_rate_rps > 0):
-        raise ValueError(f"arrival_rate_rps: must be a finite number > 0, got {arrival_rate_rps!r}")
-    if not (math.isfinite(ca2) and ca2 >= 0):
-        raise ValueError(f"ca2: must be a finite number >= 0, got {ca2!r}")
-    if not (math.isfinite(headroom) and 0 <= headroom < 10):
-        raise ValueError(f"headroom: must be in [0, 10), got {headroom!r}")
+    _check_inputs(arrival_rate_rps, ca2, headroom)
     q = slo.quantile
     ttft_target = slo.ttft_p99_s / (1.0 + headroom)
     tpot_target = slo.tpot_p99_s / (1.0 + headroom)
@@ -295,20 +379,10 @@ def solve(
             floor_s=ttft_floor,
             reason="the prefill of the longest prompts alone takes longer",
         )
-    tpot_floor = model.decode.floor_quantile_s(q)
-    if tpot_floor > tpot_target:
-        raise InfeasibleSLOError(
-            slo_name="tpot_p99_s",
-            target_s=tpot_target,
-            floor_s=tpot_floor,
-            reason="a lone request's decode steps plus its KV handoff already take longer",
-        )
+    _check_tpot_floor(model, tpot_target, q)
 
     def prefill_check(n: int) -> BindingConstraint | None:
         return _prefill_check(model, n, arrival_rate_rps, ca2, ttft_target, q)
-
-    def decode_check(m: int) -> BindingConstraint | None:
-        return _decode_check(model, m, arrival_rate_rps, ca2, tpot_target, q)
 
     start = min(max_workers, model.prefill.min_stable_workers(arrival_rate_rps))
     prefill = _smallest_feasible(prefill_check, start, max_workers)
@@ -319,18 +393,16 @@ def solve(
             floor_s=ttft_floor,
             reason=f"more than max_workers={max_workers} prefill workers would be needed",
         )
-    decode_start = min(max_workers, model.decode.min_stable_workers(arrival_rate_rps))
-    decode = _smallest_feasible(decode_check, decode_start, max_workers)
-    if decode is None:
-        raise InfeasibleSLOError(
-            slo_name="tpot_p99_s",
-            target_s=tpot_target,
-            floor_s=tpot_floor,
-            reason=f"more than max_workers={max_workers} decode workers would be needed",
-        )
     n, prefill_bound = prefill
-    m, decode_bound = decode
-    state = model.decode.load(workers=m, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=q)
+    decode_ca2 = model.arrival_scv(
+        Pool.DECODE, prefill_workers=n, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+    )
+    m, decode_bound = _smallest_decode(
+        model, arrival_rate_rps, decode_ca2, tpot_target, q, max_workers
+    )
+    state = model.decode.load(
+        workers=m, arrival_rate_rps=arrival_rate_rps, ca2=decode_ca2, quantile=q
+    )
     return SolveResult(
         prefill_workers=n,
         decode_workers=m,
@@ -338,7 +410,7 @@ def solve(
             workers=n, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=q
         ),
         tpot_p99_s=model.decode.tpot_quantile_s(
-            workers=m, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=q
+            workers=m, arrival_rate_rps=arrival_rate_rps, ca2=decode_ca2, quantile=q
         ),
         token_budget=model.token_budget,
         prefill_utilisation=model.prefill.utilisation(
@@ -378,7 +450,9 @@ def evaluate_pool(
     quantile: float = DEFAULT_QUANTILE,
 ) -> PoolPrediction:
     """One pool's predicted P-quantile latency at ``workers`` against ``target_s`` (no
-    headroom): TTFT for prefill, TPOT for decode. Neither depends on the other pool."""
+    headroom): TTFT for prefill, TPOT for decode. ``ca2`` is the SCV of the pool's own
+    arrivals (``CapacityModel.arrival_scv``: for decode, what the prefill pool passes
+    on), so the prediction needs nothing else of the other pool."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"{pool.value}_workers: must be an integer >= 1, got {workers!r}")
     rate, q = arrival_rate_rps, quantile
@@ -435,7 +509,9 @@ def evaluate(
             pool,
             workers=n,
             arrival_rate_rps=arrival_rate_rps,
-            ca2=ca2,
+            ca2=model.arrival_scv(
+                pool, prefill_workers=prefill_workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+            ),
             target_s=slo.of(pool),
             quantile=slo.quantile,
         )

@@ -56,8 +56,16 @@ import numpy as np
 from scipy import stats
 
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 from queueing.profile import IterationProfile
-from queueing.solver import CapacityModel, InfeasibleSLOError, KvLink, SloTargets, solve
+from queueing.solver import (
+    CapacityModel,
+    InfeasibleSLOError,
+    KvLink,
+    SloTargets,
+    solve,
+    solve_decode,
+)
 from sim.cluster import Cluster, ClusterConfig
 from sim.trace_io import load_lengths
 from sim.workload import gamma_arrivals, synthesize
@@ -329,6 +337,35 @@ def _simulate(
     return ttft, tpot
 
 
+def simulated_departure_scv(
+    samples: LengthSamples,
+    profile: IterationProfile,
+    *,
+    token_budget: int,
+    workers: int,
+    rate: float,
+    ca2: float,
+    requests: int,
+    rng: np.random.Generator,
+) -> float:
+    """The SCV of the gaps between the first tokens (the ends of the prompts' prefill,
+    the decode pool's arrivals) of a simulated prefill pool of ``workers`` under Gamma
+    arrivals of SCV ``ca2``, the first 5 % of the departures left out."""
+    config = ClusterConfig(
+        prefill_workers=workers,
+        decode_workers=64,
+        profile=profile,
+        token_budget=token_budget,
+        kv_link_bytes_per_s=LINK.bytes_per_s,
+    )
+    arrivals = gamma_arrivals(rate_rps=rate, ca2=ca2, duration_s=requests / rate, rng=rng)
+    trace = synthesize(arrival_s=arrivals, lengths=samples, rng=rng, source="departures")
+    results = Cluster(config, trace).run()
+    departures = np.sort(trace.arrival_s + results.ttft_s)
+    gaps = np.diff(departures[len(departures) // 20 :])
+    return float(gaps.var() / gaps.mean() ** 2)
+
+
 def _decide(
     at_n: Measured, below: Measured | None, workers: int, position: float
 ) -> tuple[float, int | None]:
@@ -399,15 +436,27 @@ def run_case(
             first_replication=first,
         )
 
+    def below(first: int) -> tuple[list[float], list[float]]:
+        """TTFT at N - 1 prefill workers and TPOT at M - 1 decode workers (empty for a
+        pool of one), each pool beside the other at its own size."""
+        if n > 1 and m > 1:
+            return simulate(n - 1, m, first)[0], simulate(n, m - 1, first)[1]
+        if n > 1:
+            return simulate(n - 1, m, first)[0], []
+        if m > 1:
+            return [], simulate(n, m - 1, first)[1]
+        return [], []
+
     ttft, tpot = simulate(n, m, 0)
     prefill_decision = decode_decision = None
     if decisions:
         t_below: list[float] = []
         p_below: list[float] = []
-        if n > 1 or m > 1:
-            # Both pools one smaller in one run: neither pool's latency depends on the
-            # other's size (the decode pool applies no back-pressure to prefill).
-            t_below, p_below = simulate(max(1, n - 1), max(1, m - 1), 0)
+        # Each pool one smaller beside the other at its own size: the prefill pool's
+        # TTFT does not depend on the decode pool (no back-pressure), but the decode
+        # pool's arrivals are the prefill pool's departures, which one prefill worker
+        # fewer smooths more (``CapacityModel.arrival_scv``).
+        t_below, p_below = below(0)
         rng = np.random.default_rng([case.seed, 1_000])
         positions = float(rng.uniform(0.25, 0.75)), float(rng.uniform(0.25, 0.75))
         limit = max(replications, max_replications or replications)
@@ -430,9 +479,9 @@ def run_case(
                 break
             more_t, more_p = simulate(n, m, len(ttft))
             ttft, tpot = ttft + more_t, tpot + more_p
-            more_t, more_p = simulate(max(1, n - 1), max(1, m - 1), len(t_below))
+            more_t, more_p = below(len(t_below))
             t_below, p_below = t_below + more_t, p_below + more_p
-        solver_n, solver_m = _solver_answer(model, rate, case.ca2, ttft_slo, tpot_slo)
+        solver_n, solver_m = _solver_answer(model, rate, case.ca2, n, ttft_slo, tpot_slo)
         prefill_decision = Decision(slo_s=ttft_slo, simulated=sim_n, solver=solver_n)
         decode_decision = Decision(slo_s=tpot_slo, simulated=sim_m, solver=solver_m)
     return CaseResult(
@@ -443,7 +492,12 @@ def run_case(
         ),
         ttft_sim=measured(ttft),
         tpot_pred_s=model.decode.tpot_quantile_s(
-            workers=m, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
+            workers=m,
+            arrival_rate_rps=rate,
+            ca2=model.arrival_scv(
+                Pool.DECODE, prefill_workers=n, arrival_rate_rps=rate, ca2=case.ca2
+            ),
+            quantile=0.99,
         ),
         tpot_sim=measured(tpot),
         prefill_decision=prefill_decision,
@@ -453,28 +507,38 @@ def run_case(
 
 
 def _solver_answer(
-    model: CapacityModel, rate: float, ca2: float, ttft_slo_s: float, tpot_slo_s: float
+    model: CapacityModel,
+    rate: float,
+    ca2: float,
+    prefill_workers: int,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
 ) -> tuple[int | None, int | None]:
     """The solver's pools at zero headroom; a pool whose SLO it finds infeasible is None.
 
-    ``solve`` checks both SLOs' floors before searching, so each pool is asked with the
-    other pool's SLO made loose (an SLO at its floor or above is always feasible).
+    The prefill pool is asked with the TPOT SLO made loose (``solve`` checks both
+    SLOs' floors before searching; an SLO at its floor or above is always feasible),
+    the decode pool behind the case's own prefill pool, as it was simulated.
     """
-    loose = 1e6
-
-    def one(ttft_s: float, tpot_s: float) -> tuple[int, int] | None:
-        try:
-            result = solve(
-                model,
-                arrival_rate_rps=rate,
-                ca2=ca2,
-                slo=SloTargets(ttft_p99_s=ttft_s, tpot_p99_s=tpot_s),
-                headroom=0.0,
-            )
-        except InfeasibleSLOError:
-            return None
-        return result.prefill_workers, result.decode_workers
-
-    prefill = one(ttft_slo_s, loose)
-    decode = one(loose, tpot_slo_s)
-    return (prefill[0] if prefill else None), (decode[1] if decode else None)
+    try:
+        prefill: int | None = solve(
+            model,
+            arrival_rate_rps=rate,
+            ca2=ca2,
+            slo=SloTargets(ttft_p99_s=ttft_slo_s, tpot_p99_s=1e6),
+            headroom=0.0,
+        ).prefill_workers
+    except InfeasibleSLOError:
+        prefill = None
+    try:
+        decode: int | None = solve_decode(
+            model,
+            prefill_workers=prefill_workers,
+            arrival_rate_rps=rate,
+            ca2=ca2,
+            slo=SloTargets(ttft_p99_s=1e6, tpot_p99_s=tpot_slo_s),
+            headroom=0.0,
+        )[0]
+    except InfeasibleSLOError:
+        decode = None
+    return prefill, decode

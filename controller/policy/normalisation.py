@@ -43,7 +43,8 @@ def meets_at(
     aimed: SloTargets,
     headroom: float,
 ) -> bool:
-    """Whether ``workers`` meet the pool's aimed target (with headroom) at ``rate_rps``."""
+    """Whether ``workers`` meet the pool's aimed target (with headroom) at ``rate_rps``;
+    ``ca2`` is the SCV of the pool's own arrivals (``CapacityModel.arrival_scv``)."""
     if workers < 1 or rate_rps <= 0:
         return rate_rps <= 0
     return evaluate_pool(
@@ -217,7 +218,8 @@ def normalise(
     """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool.
 
     ``raw_rate_rps`` is the rate the safety check judges a scale-down at: the larger
-    of the window's measured rate and the pool's lead-time upper quantile."""
+    of the window's measured rate and the pool's lead-time upper quantile; ``ca2`` the
+    SCV of the pool's own arrivals (``CapacityModel.arrival_scv``)."""
     entries: list[ReasonEntry] = []
 
     def note(entry: ReasonEntry | None) -> None:
@@ -329,8 +331,11 @@ def worst_slo_ratio(
     slo = SloTargets(ttft_p99_s=config.slo.ttft_p99_s, tpot_p99_s=config.slo.tpot_p99_s)
     ratios = []
     for pool, n in workers.items():
+        pool_ca2 = model.arrival_scv(
+            pool, prefill_workers=workers.prefill, arrival_rate_rps=rate_rps, ca2=ca2
+        )
         p99 = evaluate_pool(
-            model, pool, workers=n, arrival_rate_rps=rate_rps, ca2=ca2, target_s=slo.of(pool)
+            model, pool, workers=n, arrival_rate_rps=rate_rps, ca2=pool_ca2, target_s=slo.of(pool)
         ).p99_s
         ratios.append(math.inf if p99 is None else p99 / slo.of(pool))
     return max(ratios)

@@ -230,14 +230,23 @@ def decide(
             calibration=calibration[pool].factor,
             transient_s=calibration[pool].transient_s,
         )
+        judged_rps = max(raw_rate, planned[pool]) if lead.enabled else raw_rate
         target, pstate, entries = normalise(
             pool,
             recommended[pool],
             current[pool],
             pstate,
             model=model,
-            raw_rate_rps=max(raw_rate, planned[pool]) if lead.enabled else raw_rate,
-            ca2=ca2_value,
+            raw_rate_rps=judged_rps,
+            # The decode pool's arrivals are the prefill pool's departures; a scale-down
+            # is judged behind the larger of its current and recommended sizes, which
+            # smooths the bursts least.
+            ca2=model.arrival_scv(
+                pool,
+                prefill_workers=max(current.prefill, recommended.prefill),
+                arrival_rate_rps=max(judged_rps, 1e-9),
+                ca2=ca2_value,
+            ),
             aimed=aimed,
             config=config,
             now_s=now_s,
@@ -270,7 +279,7 @@ def decide(
         # calibration (it is compared with what this window will show).
         pool_states[pool] = replace(
             pstate,
-            predicted_p99_s=_predict(model, pool, current[pool], raw_rate, ca2_value, config),
+            predicted_p99_s=_predict(model, pool, current, raw_rate, ca2_value, config),
             predicted_for_replicas=current[pool],
         )
     if advisory:
@@ -291,7 +300,7 @@ def decide(
         # is most ticks).
         shown = pool_states[pool].predicted_p99_s
         if changed:
-            shown = _predict(model, pool, targets[pool], rate, ca2_value, config)
+            shown = _predict(model, pool, targets, rate, ca2_value, config)
         return PoolDecision(
             target=targets[pool],
             current=current[pool],
@@ -325,18 +334,22 @@ def decide(
 def _predict(
     model: CapacityModel,
     pool: Pool,
-    workers: int,
+    workers: PerPool[int],
     rate_rps: float,
     ca2: float,
     config: ControllerConfig,
 ) -> float | None:
-    """The pool's predicted P99 at ``workers`` (at least one) and ``rate_rps``."""
+    """The pool's predicted P99 at ``workers`` (at least one each) and ``rate_rps``;
+    the decode pool's behind the prefill pool's departures."""
+    rate = rate_rps if rate_rps > 0 else 1e-9
     return evaluate_pool(
         model,
         pool,
-        workers=max(1, workers),
-        arrival_rate_rps=rate_rps if rate_rps > 0 else 1e-9,
-        ca2=ca2,
+        workers=max(1, workers[pool]),
+        arrival_rate_rps=rate,
+        ca2=model.arrival_scv(
+            pool, prefill_workers=max(1, workers.prefill), arrival_rate_rps=rate, ca2=ca2
+        ),
         target_s=config.slo.ttft_p99_s if pool is Pool.PREFILL else config.slo.tpot_p99_s,
     ).p99_s
 
