@@ -29,7 +29,7 @@ RUNS = 3
 
 
 def main() -> None:
-    profile = resolve_profile("llama-3-8b@h100-sxm")
+    profile = resolve_profile("llama-3.1-8b@h100-sxm")
     rng = np.random.default_rng(7)
     samples = LengthSamples(
         prompt_tokens=np.clip(rng.lognormal(np.log(1000), 0.7, 5000), 8, 12000).astype(np.int64),

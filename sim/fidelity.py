@@ -350,7 +350,8 @@ def simulated_departure_scv(
 ) -> float:
     """The SCV of the gaps between the first tokens (the ends of the prompts' prefill,
     the decode pool's arrivals) of a simulated prefill pool of ``workers`` under Gamma
-    arrivals of SCV ``ca2``, the first 5 % of the departures left out."""
+    arrivals of SCV ``ca2``, the first 5 % of the departures left out (and the requests
+    rejected for their length, which never reach a worker)."""
     config = ClusterConfig(
         prefill_workers=workers,
         decode_workers=64,
@@ -361,7 +362,9 @@ def simulated_departure_scv(
     arrivals = gamma_arrivals(rate_rps=rate, ca2=ca2, duration_s=requests / rate, rng=rng)
     trace = synthesize(arrival_s=arrivals, lengths=samples, rng=rng, source="departures")
     results = Cluster(config, trace).run()
-    departures = np.sort(trace.arrival_s + results.ttft_s)
+    first_token_s = trace.arrival_s + results.ttft_s
+    # Requests beyond the context are rejected at arrival and never leave the pool.
+    departures = np.sort(first_token_s[np.isfinite(first_token_s)])
     gaps = np.diff(departures[len(departures) // 20 :])
     return float(gaps.var() / gaps.mean() ** 2)
 

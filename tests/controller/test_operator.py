@@ -81,14 +81,14 @@ def expected_replicas(
     )
     targets = {Pool.PREFILL: ttft_p99_s, Pool.DECODE: tpot_p99_s}
 
-    def fewest(pool: Pool) -> int:
+    def fewest(pool: Pool, ca2: float) -> int:
         for workers in itertools.count(1):
             prediction = evaluate_pool(
                 model,
                 pool,
                 workers=workers,
                 arrival_rate_rps=rate_rps,
-                ca2=1.0,
+                ca2=ca2,
                 target_s=targets[pool] / (1.0 + HEADROOM),
             )
             if prediction.meets_slo:
@@ -96,7 +96,12 @@ def expected_replicas(
             assert workers < 1000, f"{pool.value}: no worker count meets the SLO"
         raise AssertionError("unreachable")
 
-    return fewest(Pool.PREFILL), fewest(Pool.DECODE)
+    prefill = fewest(Pool.PREFILL, 1.0)
+    # The decode pool's arrivals are the prefill pool's departures.
+    decode_ca2 = model.arrival_scv(
+        Pool.DECODE, prefill_workers=prefill, arrival_rate_rps=rate_rps, ca2=1.0
+    )
+    return prefill, fewest(Pool.DECODE, decode_ca2)
 
 
 # -- scenarios ------------------------------------------------------------------------------

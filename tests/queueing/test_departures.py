@@ -30,8 +30,8 @@ def test_a_loaded_pool_passes_on_fewer_bursts_than_it_receives_and_no_fewer_than
 ) -> None:
     # Four workers at 75 % under arrivals of SCV 4: a burst leaves as a queue drained
     # at the service rate. QNA's linking equation smooths less than the simulated
-    # chunked-prefill pool does (1.95 simulated against 2.40 predicted over three runs
-    # of 20,000 requests, ``bench/departures.py``), the safe side for the decode pool.
+    # chunked-prefill pool does (1.92 simulated against 2.39 predicted over three runs
+    # of 20,000 requests on llama-3.1-8b H100, ``bench/departures.py``), the safe side.
     workers, ca2 = 4, 4.0
     rate = 0.75 * workers / model.prefill.mean_service_s
     simulated = simulated_departure_scv(
