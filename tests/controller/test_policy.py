@@ -30,7 +30,7 @@ from controller.policy.state import RateSample
 from controller.policy.steady import overloaded
 from controller.tick import run_tick
 from queueing.catalog import resolve_profile
-from queueing.lengths import LengthSamples
+from queueing.lengths import LengthSamples, observed_within_context
 from queueing.pools import PerPool, Pool
 from queueing.profile import exceeds_context
 from queueing.solver import CapacityModel, KvLink, SloTargets, evaluate, solve
@@ -312,6 +312,34 @@ def test_a_scale_down_unsafe_at_the_current_raw_rate_is_refused() -> None:
     got, entry = safety(Pool.PREFILL, 1, n, model, 40.0, 1.0, slo, CONFIG.headroom)
     assert got == n
     assert entry is not None and entry.reason is Reason.SCALE_DOWN_UNSAFE
+
+
+def test_the_decode_pool_is_predicted_behind_the_prefill_pool_the_tick_asks_for() -> None:
+    # Bursty arrivals (SCV 6) at 35 req/s reach one worker of each pool: the tick
+    # scales up, and the decode P99 its decision shows is the what-if's behind the
+    # prefill pool it asked for, whose departures are smoother than the arrivals.
+    seen = replace(observation(0.0, 35.0, 1, 1), interarrival_scv=6.0)
+    d = decide(seen, ControllerState(), CONFIG, now_s=0.0)
+    n, m = d.target(Pool.PREFILL), d.target(Pool.DECODE)
+    assert (n, m) != (1, 1)
+    # The model of the mix the tick pooled (its windows' requests within the context).
+    assert d.state.lengths is not None
+    mix = observed_within_context(d.state.lengths, PROFILE.max_context_tokens)
+    model = MODELS.get(mix, PROFILE, CONFIG)
+    rate = d.planning_rate_rps
+    what_if = evaluate(
+        model,
+        prefill_workers=n,
+        decode_workers=m,
+        arrival_rate_rps=rate,
+        ca2=6.0,
+        slo=SloTargets(ttft_p99_s=CONFIG.slo.ttft_p99_s, tpot_p99_s=CONFIG.slo.tpot_p99_s),
+    )
+    assert d.pools.decode.predicted_p99_s == pytest.approx(what_if.decode.p99_s, rel=1e-12)
+    at_arrivals_scv = model.decode.tpot_quantile_s(
+        workers=m, arrival_rate_rps=rate, ca2=6.0, quantile=0.99
+    )
+    assert d.pools.decode.predicted_p99_s < at_arrivals_scv
 
 
 def test_advisory_mode_decides_but_never_actuates() -> None:
