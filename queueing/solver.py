@@ -128,7 +128,8 @@ class CapacityModel:
         )
 
     def of(self, pool: Pool) -> PrefillModel | DecodeModel:
-        """The pool's model (both answer ``is_stable`` and ``floor_quantile_s``)."""
+        """The pool's model (both answer ``is_stable``, ``min_stable_workers`` and
+        ``floor_quantile_s``)."""
         return self.prefill if pool is Pool.PREFILL else self.decode
 
     @classmethod
@@ -280,14 +281,25 @@ def _smallest_feasible(
     return hi, blocked
 
 
-def _check_tpot_floor(model: CapacityModel, tpot_target_s: float, q: float) -> None:
-    floor_s = model.decode.floor_quantile_s(q)
-    if floor_s > tpot_target_s:
+# What sets each pool's latency floor, the P99 that unlimited workers still give.
+_FLOOR_REASONS = {
+    Pool.PREFILL: "the prefill of the longest prompts alone takes longer",
+    Pool.DECODE: "a lone request's decode steps plus its KV handoff already take longer",
+}
+
+
+def _slo_name(pool: Pool) -> str:
+    return "ttft_p99_s" if pool is Pool.PREFILL else "tpot_p99_s"
+
+
+def _check_floor(model: CapacityModel, pool: Pool, target_s: float, q: float) -> None:
+    floor_s = model.of(pool).floor_quantile_s(q)
+    if floor_s > target_s:
         raise InfeasibleSLOError(
-            slo_name="tpot_p99_s",
-            target_s=tpot_target_s,
+            slo_name=_slo_name(pool),
+            target_s=target_s,
             floor_s=floor_s,
-            reason="a lone request's decode steps plus its KV handoff already take longer",
+            reason=_FLOOR_REASONS[pool],
         )
 
 
@@ -305,16 +317,33 @@ def _smallest_decode(
     def decode_check(m: int) -> BindingConstraint | None:
         return _decode_check(model, m, rate, decode_ca2, target_s, q)
 
-    start = min(max_workers, model.decode.min_stable_workers(rate))
-    decode = _smallest_feasible(decode_check, start, max_workers)
-    if decode is None:
+    return _search(
+        model, Pool.DECODE, decode_check, rate, target_s=target_s, q=q, max_workers=max_workers
+    )
+
+
+def _search(
+    model: CapacityModel,
+    pool: Pool,
+    check: Callable[[int], BindingConstraint | None],
+    rate: float,
+    *,
+    target_s: float,
+    q: float,
+    max_workers: int,
+) -> tuple[int, BindingConstraint]:
+    """``_smallest_feasible`` from the pool's stability bound; ``InfeasibleSLOError``
+    naming the pool's SLO when ``max_workers`` is not enough."""
+    start = min(max_workers, model.of(pool).min_stable_workers(rate))
+    found = _smallest_feasible(check, start, max_workers)
+    if found is None:
         raise InfeasibleSLOError(
-            slo_name="tpot_p99_s",
+            slo_name=_slo_name(pool),
             target_s=target_s,
-            floor_s=model.decode.floor_quantile_s(q),
-            reason=f"more than max_workers={max_workers} decode workers would be needed",
+            floor_s=model.of(pool).floor_quantile_s(q),
+            reason=f"more than max_workers={max_workers} {pool.value} workers would be needed",
         )
-    return decode
+    return found
 
 
 def solve_decode(
@@ -335,7 +364,7 @@ def solve_decode(
         raise ValueError(f"prefill_workers: must be an integer >= 1, got {prefill_workers!r}")
     _check_inputs(arrival_rate_rps, ca2, headroom)
     target_s = slo.tpot_p99_s / (1.0 + headroom)
-    _check_tpot_floor(model, target_s, slo.quantile)
+    _check_floor(model, Pool.DECODE, target_s, slo.quantile)
     decode_ca2 = model.arrival_scv(
         Pool.DECODE, prefill_workers=prefill_workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
     )
@@ -371,29 +400,21 @@ def solve(
     q = slo.quantile
     ttft_target = slo.ttft_p99_s / (1.0 + headroom)
     tpot_target = slo.tpot_p99_s / (1.0 + headroom)
-    ttft_floor = model.prefill.floor_quantile_s(q)
-    if ttft_floor > ttft_target:
-        raise InfeasibleSLOError(
-            slo_name="ttft_p99_s",
-            target_s=ttft_target,
-            floor_s=ttft_floor,
-            reason="the prefill of the longest prompts alone takes longer",
-        )
-    _check_tpot_floor(model, tpot_target, q)
+    _check_floor(model, Pool.PREFILL, ttft_target, q)
+    _check_floor(model, Pool.DECODE, tpot_target, q)
 
     def prefill_check(n: int) -> BindingConstraint | None:
         return _prefill_check(model, n, arrival_rate_rps, ca2, ttft_target, q)
 
-    start = min(max_workers, model.prefill.min_stable_workers(arrival_rate_rps))
-    prefill = _smallest_feasible(prefill_check, start, max_workers)
-    if prefill is None:
-        raise InfeasibleSLOError(
-            slo_name="ttft_p99_s",
-            target_s=ttft_target,
-            floor_s=ttft_floor,
-            reason=f"more than max_workers={max_workers} prefill workers would be needed",
-        )
-    n, prefill_bound = prefill
+    n, prefill_bound = _search(
+        model,
+        Pool.PREFILL,
+        prefill_check,
+        arrival_rate_rps,
+        target_s=ttft_target,
+        q=q,
+        max_workers=max_workers,
+    )
     decode_ca2 = model.arrival_scv(
         Pool.DECODE, prefill_workers=n, arrival_rate_rps=arrival_rate_rps, ca2=ca2
     )
