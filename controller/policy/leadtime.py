@@ -15,7 +15,9 @@ point estimate plus a fixed margin:
   actually moved over horizons of that length in the recent history (the upward
   errors of past estimates against the rate realised over the lead time after them,
   net of the counting noise of that realised rate, which the solver's queueing
-  model already carries through c²);
+  model already carries through c²), conditioned, where the history shows a
+  significant relation, on the window's gap to the estimate (an EMA's lag behind a
+  moving rate), so a trough is not planned for the rising flank's errors;
 - ``significant``: whether a count is beyond the noise the measured SCV implies for
   the estimate, or the window-to-window spread actually seen when that is larger
   (``window_spread``; the burst and rate-shift tests of ``smoothing``);
@@ -48,6 +50,9 @@ from queueing.solver import CapacityModel
 # The fewest past estimates whose lead-time error is known before the history's
 # spread is used (below it, only the estimate's own noise is).
 MIN_HISTORY = 3
+# The fewest past lead-time errors before they are conditioned on the window's gap to
+# the estimate (a line's slope and residual spread from fewer are too noisy).
+MIN_REGRESSION = 20
 # At most this many (prompt, output) samples are kept per measurement window of the
 # pooled mix (an evenly strided subset), which bounds the persisted state.
 MAX_WINDOW_SAMPLES = 256
@@ -230,6 +235,10 @@ class RateBound:
     drift_rps: float  # the recent history's part of it
     lead_s: float
     history: int  # past estimates whose lead-time error was known
+    # The error expected from the window's gap to the estimate (0 when the history
+    # shows no significant relation), and whether that condition was used.
+    expected_drift_rps: float = 0.0
+    conditioned: bool = False
 
 
 def rate_upper(
@@ -241,17 +250,31 @@ def rate_upper(
     z: float,
     config: ControllerConfig,
     now_s: float,
+    measured_rps: float | None = None,
 ) -> RateBound:
     """The upper ``z``-quantile of the rate over the next ``lead_s``.
 
-    ``rates`` are the past ticks' measured rates and estimates. For each past
-    estimate whose next ``k = ceil(lead_s / interval)`` ticks are all recorded, the
-    error e = (mean measured rate over those ticks) - estimate; the drift variance
-    is 2·mean(max(e, 0)²) (the upper semi-variance, which for a symmetric error is
-    the variance: a fall in the rate is no risk for the plan) less the counting
-    noise of the realised mean (estimate·c²/span), never below zero. The drift's
-    part of the bound reaches no higher than the highest rate the history realised
-    over a lead time (the estimate's own noise part always applies).
+    ``rates`` are the past ticks' measured rates and estimates; ``measured_rps`` this
+    tick's measured rate. For each past estimate whose next
+    ``k = ceil(lead_s / interval)`` ticks are all recorded, the error
+    e = (mean measured rate over those ticks) - estimate.
+
+    How far the rate moves over a lead time depends on where it is going: an EMA lags
+    a moving rate, and the lag shows now as the window's rate less the estimate (on a
+    daily cycle large on the rising flank, about zero at the trough). The spread of
+    the errors over the whole history is the envelope of every phase. So the error
+    is conditioned on that gap (``_conditional_errors``: the least-squares line of
+    the past errors on the past gaps, used when at least ``MIN_REGRESSION`` errors
+    are known and its slope is significant at ``z``; a line through noise would move
+    the plan with the noise): the bound is the estimate plus the line's value at
+    today's gap plus ``z`` standard deviations of what the line leaves, the line's
+    own uncertainty at that gap included. Without such a line, the errors are taken
+    about zero. Either way the drift variance is 2·mean(max(r, 0)²) of the
+    residuals r (the upper semi-variance, which for a symmetric error is the
+    variance: a fall in the rate is no risk for the plan) less the counting noise of
+    the realised mean (estimate·c²/span), never below zero. The drift's part of the
+    bound reaches no higher than the highest rate the history realised over a lead
+    time, and the bound is never below the estimate plus its own noise part.
     """
     interval = config.interval_s
     window = config.window_s
@@ -261,7 +284,8 @@ def rate_upper(
     span_s = (k - 1) * interval + window
     times = np.array([r.time_s for r in rates], dtype=np.float64)
     measured = np.array([r.rate_rps for r in rates], dtype=np.float64)
-    errors_sq: list[float] = []
+    errors: list[float] = []
+    gaps: list[float] = []
     counting: list[float] = []
     realised_max = 0.0
     horizon = config.lead_time.history_s
@@ -276,30 +300,68 @@ def rate_upper(
             continue
         realised = float(measured[ahead].mean())
         realised_max = max(realised_max, realised)
-        error = realised - r.estimate_rps
-        errors_sq.append(max(error, 0.0) ** 2)
+        errors.append(realised - r.estimate_rps)
+        gaps.append(r.rate_rps - r.estimate_rps)
         scv = r.scv if r.scv is not None else ca2
         counting.append(max(r.estimate_rps, 0.0) * scv / span_s)
-    drift_var = 0.0
-    upper = max(estimate_rps, 0.0) + z * math.sqrt(noise_var)
-    if len(errors_sq) >= MIN_HISTORY:
-        drift_var = max(0.0, 2.0 * float(np.mean(errors_sq)) - float(np.mean(counting)))
+    floor = max(estimate_rps, 0.0) + z * math.sqrt(noise_var)
+    drift_var, expected, fit_var = 0.0, 0.0, 0.0
+    line = None
+    if len(errors) >= MIN_HISTORY:
+        residuals = np.asarray(errors, dtype=np.float64)
+        if measured_rps is not None:
+            line = _conditional_errors(residuals, np.asarray(gaps), measured_rps - estimate_rps, z)
+        if line is not None:
+            residuals, expected, fit_var = line
+        drift_var = max(
+            0.0, 2.0 * float(np.mean(np.maximum(residuals, 0.0) ** 2)) - float(np.mean(counting))
+        )
+        with_drift = (
+            max(estimate_rps, 0.0) + expected + z * math.sqrt(noise_var + drift_var + fit_var)
+        )
         # The history's moves are evidence up to the highest lead-time rate it holds:
         # beyond that the normal tail would be extrapolation (an on/off load at its
         # peak does not rise by the size of its own jumps), so the drift's part of
         # the bound stops there.
-        with_drift = max(estimate_rps, 0.0) + z * math.sqrt(noise_var + drift_var)
-        upper = max(upper, min(with_drift, realised_max))
-    sigma = math.sqrt(noise_var + drift_var)
+        upper = max(floor, min(with_drift, realised_max))
+    else:
+        upper = floor
     return RateBound(
         upper_rps=upper,
         estimate_rps=estimate_rps,
-        sigma_rps=sigma,
+        sigma_rps=math.sqrt(noise_var + drift_var + fit_var),
         noise_rps=math.sqrt(noise_var),
         drift_rps=math.sqrt(drift_var),
         lead_s=lead_s,
-        history=len(errors_sq),
+        history=len(errors),
+        expected_drift_rps=expected,
+        conditioned=line is not None,
     )
+
+
+def _conditional_errors(
+    errors: np.ndarray, gaps: np.ndarray, gap_now: float, z: float
+) -> tuple[np.ndarray, float, float] | None:
+    """The lead-time errors as a least-squares line in the gaps (measured rate less
+    estimate) at their estimates' ticks: (the residuals, the line's value at
+    ``gap_now``, the variance of that value). None where fewer than
+    ``MIN_REGRESSION`` errors are known, the gaps do not vary, or the slope is within
+    ``z`` standard errors of zero."""
+    n = len(errors)
+    if n < MIN_REGRESSION:
+        return None
+    gap_mean, error_mean = float(gaps.mean()), float(errors.mean())
+    sxx = float(np.sum((gaps - gap_mean) ** 2))
+    if sxx <= 0.0:
+        return None
+    slope = float(np.sum((gaps - gap_mean) * (errors - error_mean))) / sxx
+    residuals = errors - (error_mean + slope * (gaps - gap_mean))
+    s2 = float(np.sum(residuals**2)) / (n - 2)
+    if abs(slope) <= z * math.sqrt(s2 / sxx):
+        return None
+    at_now = error_mean + slope * (gap_now - gap_mean)
+    fit_var = s2 * (1.0 / n + (gap_now - gap_mean) ** 2 / sxx)
+    return residuals, at_now, fit_var
 
 
 def bound_entry(pool: Pool, bound: RateBound, z: float) -> ReasonEntry:
@@ -310,7 +372,13 @@ def bound_entry(pool: Pool, bound: RateBound, z: float) -> ReasonEntry:
         detail=f"planning for {bound.upper_rps:.3g} req/s over the {bound.lead_s:.0f}-s lead "
         f"time: estimate {bound.estimate_rps:.3g} + {z:.2f} x {bound.sigma_rps:.3g} "
         f"(noise {bound.noise_rps:.3g}, drift {bound.drift_rps:.3g} from "
-        f"{bound.history} past estimates)",
+        f"{bound.history} past estimates"
+        + (
+            f"; {bound.expected_drift_rps:+.3g} expected from the window's gap to the estimate"
+            if bound.conditioned
+            else ""
+        )
+        + ")",
     )
 
 

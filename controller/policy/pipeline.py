@@ -180,6 +180,7 @@ def decide(
             z=z,
             config=config,
             now_s=now_s,
+            measured_rps=raw_rate,
         )
     )
     if lead.enabled:
