@@ -15,6 +15,7 @@ from controller.policy import ControllerState, PoolState, Reason
 from controller.policy.leadtime import (
     MAX_WINDOW_SAMPLES,
     MIN_POOLED_REQUESTS,
+    RateBound,
     detection_z,
     forecast_at,
     forecast_horizon_s,
@@ -350,18 +351,21 @@ def test_errors_that_follow_the_windows_gap_are_planned_along_that_line() -> Non
         measured[i + 1] = 20.0 + 0.8 * gaps[i] + noise[i]
         gaps[i + 1] = measured[i + 1] - 20.0
     rates = _history(list(measured), list(estimates))
-    now = 30.0 * n
-    for gap_now in (-3.0, 0.0, 3.0):
-        bound = rate_upper(
+
+    def bound_at(gap_now: float) -> RateBound:
+        return rate_upper(
             rates,
             estimate_rps=20.0,
             ca2=1.0,
             lead_s=30.0,
             z=2.0,
             config=CONFIG,
-            now_s=now,
+            now_s=30.0 * n,
             measured_rps=20.0 + gap_now,
         )
+
+    for gap_now in (-3.0, 0.0, 3.0):
+        bound = bound_at(gap_now)
         # The independent computation: numpy's least-squares line, its residuals' upper
         # semi-variance less the counting noise, and the prediction variance at gap_now.
         x, y = gaps[:-1], measured[1:] - 20.0
@@ -381,19 +385,7 @@ def test_errors_that_follow_the_windows_gap_are_planned_along_that_line() -> Non
         assert bound.upper_rps == pytest.approx(max(floor, min(expected, realised_max)))
     # Where the window sits below the estimate (a falling rate) the plan is lower than
     # where it sits above it.
-    low, high = (
-        rate_upper(
-            rates,
-            estimate_rps=20.0,
-            ca2=1.0,
-            lead_s=30.0,
-            z=2.0,
-            config=CONFIG,
-            now_s=now,
-            measured_rps=20.0 + g,
-        ).upper_rps
-        for g in (-3.0, 3.0)
-    )
+    low, high = (bound_at(g).upper_rps for g in (-3.0, 3.0))
     assert low < high
 
 
