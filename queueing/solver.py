@@ -382,7 +382,18 @@ def _check_inputs(arrival_rate_rps: float, ca2: float, headroom: float) -> None:
         raise ValueError(f"headroom: must be in [0, 10), got {headroom!r}")
 
 
-def solve(
+@dataclass(frozen=True, kw_only=True)
+class PoolSizes:
+    """The solver's worker counts and what blocks one fewer in each pool, without the
+    predictions at them (``solve`` adds those)."""
+
+    prefill_workers: int
+    decode_workers: int
+    prefill_bound: BindingConstraint
+    decode_bound: BindingConstraint
+
+
+def size_pools(
     model: CapacityModel,
     *,
     arrival_rate_rps: float,
@@ -390,12 +401,11 @@ def solve(
     slo: SloTargets,
     headroom: float = 0.1,
     max_workers: int = DEFAULT_MAX_WORKERS,
-) -> SolveResult:
-    """The smallest (prefill, decode) worker counts meeting both SLOs with headroom.
-
-    Raises ``InfeasibleSLOError`` when an SLO is below what unlimited workers give,
-    or when ``max_workers`` is not enough.
-    """
+) -> PoolSizes:
+    """``solve``'s search alone: the smallest (prefill, decode) worker counts meeting
+    both SLOs with headroom, the decode pool behind the prefill pool it finds. What a
+    controller tick asks for (the P99s at the answer cost as much again as the
+    search). Raises as ``solve`` does."""
     _check_inputs(arrival_rate_rps, ca2, headroom)
     q = slo.quantile
     ttft_target = slo.ttft_p99_s / (1.0 + headroom)
@@ -421,6 +431,39 @@ def solve(
     m, decode_bound = _smallest_decode(
         model, arrival_rate_rps, decode_ca2, tpot_target, q, max_workers
     )
+    return PoolSizes(
+        prefill_workers=n, decode_workers=m, prefill_bound=prefill_bound, decode_bound=decode_bound
+    )
+
+
+def solve(
+    model: CapacityModel,
+    *,
+    arrival_rate_rps: float,
+    ca2: float,
+    slo: SloTargets,
+    headroom: float = 0.1,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+) -> SolveResult:
+    """The smallest (prefill, decode) worker counts meeting both SLOs with headroom
+    (``size_pools``), with the predictions at them.
+
+    Raises ``InfeasibleSLOError`` when an SLO is below what unlimited workers give,
+    or when ``max_workers`` is not enough.
+    """
+    sizes = size_pools(
+        model,
+        arrival_rate_rps=arrival_rate_rps,
+        ca2=ca2,
+        slo=slo,
+        headroom=headroom,
+        max_workers=max_workers,
+    )
+    q = slo.quantile
+    n, m = sizes.prefill_workers, sizes.decode_workers
+    decode_ca2 = model.arrival_scv(
+        Pool.DECODE, prefill_workers=n, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+    )
     state = model.decode.load(
         workers=m, arrival_rate_rps=arrival_rate_rps, ca2=decode_ca2, quantile=q
     )
@@ -439,8 +482,8 @@ def solve(
         ),
         decode_mean_batch=state.mean_batch,
         decode_kv_utilisation=state.kv_utilisation,
-        prefill_bound=prefill_bound,
-        decode_bound=decode_bound,
+        prefill_bound=sizes.prefill_bound,
+        decode_bound=sizes.decode_bound,
     )
 
 
@@ -458,6 +501,30 @@ class Evaluation:
 
     def of(self, pool: Pool) -> PoolPrediction:
         return self.prefill if pool is Pool.PREFILL else self.decode
+
+
+def predicted_quantile_s(
+    model: CapacityModel,
+    pool: Pool,
+    *,
+    workers: int,
+    arrival_rate_rps: float,
+    ca2: float,
+    quantile: float = DEFAULT_QUANTILE,
+) -> float | None:
+    """The pool's predicted latency quantile at ``workers`` (TTFT for prefill, TPOT for
+    decode), None where the pool cannot keep up; ``ca2`` as in ``evaluate_pool``. The
+    prediction alone, without the SLO checks (what a controller publishes and
+    calibrates against every tick)."""
+    if not model.of(pool).is_stable(workers=workers, arrival_rate_rps=arrival_rate_rps):
+        return None
+    if pool is Pool.PREFILL:
+        return model.prefill.ttft_quantile_s(
+            workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=quantile
+        )
+    return model.decode.tpot_quantile_s(
+        workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=quantile
+    )
 
 
 def evaluate_pool(
@@ -478,24 +545,19 @@ def evaluate_pool(
         raise ValueError(f"{pool.value}_workers: must be an integer >= 1, got {workers!r}")
     rate, q = arrival_rate_rps, quantile
     if pool is Pool.PREFILL:
-        ttft: float | None = None
-        problem = _prefill_check(model, workers, rate, ca2, target_s, q)
-        if problem is not BindingConstraint.STABILITY:
-            ttft = model.prefill.ttft_quantile_s(
-                workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q
-            )
+        ttft = predicted_quantile_s(
+            model, pool, workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q
+        )
         return PoolPrediction(
             workers=workers,
             p99_s=ttft,
             utilisation=model.prefill.utilisation(workers=workers, arrival_rate_rps=rate, ca2=ca2),
             meets_slo=ttft is not None and ttft <= target_s,
         )
-    tpot: float | None = None
     decode_problem = _decode_check(model, workers, rate, ca2, target_s, q)
-    if decode_problem is not BindingConstraint.STABILITY:
-        tpot = model.decode.tpot_quantile_s(
-            workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q
-        )
+    tpot = predicted_quantile_s(
+        model, pool, workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q
+    )
     decode_utilisation = (
         model.decode.load(workers=workers, arrival_rate_rps=rate, ca2=ca2, quantile=q).batch_p99
         / model.decode.max_batch

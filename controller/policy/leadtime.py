@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from statistics import NormalDist
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from controller.config import ControllerConfig
 from controller.observation import PoolObservation
@@ -284,33 +285,30 @@ def rate_upper(
     span_s = (k - 1) * interval + window
     times = np.array([r.time_s for r in rates], dtype=np.float64)
     measured = np.array([r.rate_rps for r in rates], dtype=np.float64)
-    errors: list[float] = []
-    gaps: list[float] = []
-    counting: list[float] = []
-    realised_max = 0.0
-    horizon = config.lead_time.history_s
-    for i, r in enumerate(rates):
-        if r.time_s < now_s - horizon:
-            continue
-        ahead = slice(i + 1, i + 1 + k)
-        if len(times[ahead]) < k:
-            continue
-        # The k ticks after it must follow at the tick interval (no gap, no restart).
-        if times[ahead][-1] - r.time_s > (k + 0.5) * interval:
-            continue
-        realised = float(measured[ahead].mean())
-        realised_max = max(realised_max, realised)
-        errors.append(realised - r.estimate_rps)
-        gaps.append(r.rate_rps - r.estimate_rps)
-        scv = r.scv if r.scv is not None else ca2
-        counting.append(max(r.estimate_rps, 0.0) * scv / span_s)
+    estimates = np.array([r.estimate_rps for r in rates], dtype=np.float64)
+    scvs = np.array([ca2 if r.scv is None else r.scv for r in rates], dtype=np.float64)
+    # Tick i's lead time is ticks i + 1 .. i + k: every tick with k recorded after it,
+    # within the history, whose k ticks follow at the tick interval (no gap, no restart).
+    starts = np.arange(max(len(rates) - k, 0))
+    known = starts[
+        (times[starts] >= now_s - config.lead_time.history_s)
+        & (times[starts + k] - times[starts] <= (k + 0.5) * interval)
+    ]
+    if len(known):
+        realised = sliding_window_view(measured[1:], k)[known].mean(axis=1)
+        realised_max = float(realised.max())
+    else:
+        realised, realised_max = np.zeros(0), 0.0
+    errors = realised - estimates[known]
+    gaps = measured[known] - estimates[known]
+    counting = np.maximum(estimates[known], 0.0) * scvs[known] / span_s
     floor = max(estimate_rps, 0.0) + z * math.sqrt(noise_var)
     drift_var, expected, fit_var = 0.0, 0.0, 0.0
     line = None
     if len(errors) >= MIN_HISTORY:
-        residuals = np.asarray(errors, dtype=np.float64)
+        residuals = errors
         if measured_rps is not None:
-            line = _conditional_errors(residuals, np.asarray(gaps), measured_rps - estimate_rps, z)
+            line = _conditional_errors(errors, gaps, measured_rps - estimate_rps, z)
         if line is not None:
             residuals, expected, fit_var = line
         drift_var = max(

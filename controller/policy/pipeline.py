@@ -65,7 +65,7 @@ from queueing.catalog import resolve_profile
 from queueing.lengths import observed_within_context
 from queueing.pools import PerPool, Pool
 from queueing.profile import IterationProfile
-from queueing.solver import DEFAULT_QUANTILE, CapacityModel, evaluate_pool
+from queueing.solver import DEFAULT_QUANTILE, CapacityModel, predicted_quantile_s
 
 
 def decide(
@@ -280,7 +280,7 @@ def decide(
         # calibration (it is compared with what this window will show).
         pool_states[pool] = replace(
             pstate,
-            predicted_p99_s=_predict(model, pool, current, raw_rate, ca2_value, config),
+            predicted_p99_s=_predict(model, pool, current, raw_rate, ca2_value),
             predicted_for_replicas=current[pool],
         )
     if advisory:
@@ -301,7 +301,7 @@ def decide(
         # is most ticks).
         shown = pool_states[pool].predicted_p99_s
         if changed:
-            shown = _predict(model, pool, targets, rate, ca2_value, config)
+            shown = _predict(model, pool, targets, rate, ca2_value)
         return PoolDecision(
             target=targets[pool],
             current=current[pool],
@@ -338,12 +338,11 @@ def _predict(
     workers: PerPool[int],
     rate_rps: float,
     ca2: float,
-    config: ControllerConfig,
 ) -> float | None:
     """The pool's predicted P99 at ``workers`` (at least one each) and ``rate_rps``;
     the decode pool's behind the prefill pool's departures."""
     rate = rate_rps if rate_rps > 0 else 1e-9
-    return evaluate_pool(
+    return predicted_quantile_s(
         model,
         pool,
         workers=max(1, workers[pool]),
@@ -351,8 +350,7 @@ def _predict(
         ca2=model.arrival_scv(
             pool, prefill_workers=max(1, workers.prefill), arrival_rate_rps=rate, ca2=ca2
         ),
-        target_s=config.slo.ttft_p99_s if pool is Pool.PREFILL else config.slo.tpot_p99_s,
-    ).p99_s
+    )
 
 
 def _hold(

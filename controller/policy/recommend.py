@@ -5,7 +5,7 @@ from __future__ import annotations
 from controller.config import ControllerConfig
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.pools import PerPool
-from queueing.solver import CapacityModel, InfeasibleSLOError, SloTargets, solve
+from queueing.solver import CapacityModel, InfeasibleSLOError, SloTargets, size_pools
 
 # An infeasible SLO is planned for at this multiple of the floor that blocks it.
 ABOVE_FLOOR = 1.2
@@ -73,7 +73,9 @@ def _recommend(
             ),
         )
     try:
-        result = solve(model, arrival_rate_rps=rate_rps, ca2=ca2, slo=slo, headroom=config.headroom)
+        result = size_pools(
+            model, arrival_rate_rps=rate_rps, ca2=ca2, slo=slo, headroom=config.headroom
+        )
     except InfeasibleSLOError as exc:
         # Best effort: plan for just above the floor that blocks the SLO, which still
         # sizes the pools for stability and KV room, and say so. The solver divides
@@ -87,7 +89,7 @@ def _recommend(
             tpot_p99_s=max(slo.tpot_p99_s, model.decode.floor_quantile_s(0.99) * above_floor),
         )
         try:
-            result = solve(
+            result = size_pools(
                 model, arrival_rate_rps=rate_rps, ca2=ca2, slo=relaxed, headroom=config.headroom
             )
         except InfeasibleSLOError:

@@ -8,12 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from queueing.lengths import LengthSamples
+from queueing.pools import Pool
 from queueing.solver import (
     BindingConstraint,
     CapacityModel,
     InfeasibleSLOError,
     SloTargets,
     evaluate,
+    evaluate_pool,
+    predicted_quantile_s,
+    size_pools,
     solve,
 )
 from tests.profiles import TEST_8B
@@ -134,3 +138,30 @@ def test_evaluate_reports_an_unstable_pool_without_a_prediction() -> None:
     )
     assert ev.prefill.p99_s is None
     assert not ev.feasible
+
+
+@settings(max_examples=40, deadline=None)
+@given(rate=rates, ca2=ca2s)
+def test_sizing_alone_finds_the_solvers_answer(rate: float, ca2: float) -> None:
+    sizes = size_pools(MODEL, arrival_rate_rps=rate, ca2=ca2, slo=SLO, headroom=0.15)
+    result = solve(MODEL, arrival_rate_rps=rate, ca2=ca2, slo=SLO, headroom=0.15)
+    assert (sizes.prefill_workers, sizes.decode_workers) == (
+        result.prefill_workers,
+        result.decode_workers,
+    )
+    assert (sizes.prefill_bound, sizes.decode_bound) == (result.prefill_bound, result.decode_bound)
+
+
+@pytest.mark.parametrize("pool", list(Pool))
+@pytest.mark.parametrize("workers", [1, 2, 5, 40])
+def test_the_prediction_alone_is_the_what_ifs_and_none_where_the_pool_cannot_keep_up(
+    pool: Pool, workers: int
+) -> None:
+    for rate in (1.0, 30.0, 2000.0):
+        what_if = evaluate_pool(
+            MODEL, pool, workers=workers, arrival_rate_rps=rate, ca2=2.0, target_s=SLO.of(pool)
+        )
+        alone = predicted_quantile_s(MODEL, pool, workers=workers, arrival_rate_rps=rate, ca2=2.0)
+        assert alone == what_if.p99_s
+        stable = MODEL.of(pool).is_stable(workers=workers, arrival_rate_rps=rate)
+        assert (alone is None) is not stable
