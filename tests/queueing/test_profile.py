@@ -106,3 +106,13 @@ def test_a_prompt_has_the_same_attention_pairs_however_it_is_chunked(
         for start in range(0, prompt_tokens, chunk_tokens)
     )
     assert pairs == prompt_tokens * (prompt_tokens + 1) // 2
+
+
+def test_the_catalogue_is_built_once_and_a_callers_copy_cannot_change_it() -> None:
+    first = builtin_profiles()
+    name = next(iter(first))
+    first.clear()  # the caller's dict is its own
+    assert resolve_profile(name) is resolve_profile(name)  # one build, the same profile
+    assert name in builtin_profiles()
+    with pytest.raises(ProfileError, match="unknown profile"):
+        resolve_profile("no-such-model@no-such-gpu")
