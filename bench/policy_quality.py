@@ -308,9 +308,11 @@ def _oracle(name: str) -> BacktestPolicy:
 def _reactive_oracle(name: str) -> BacktestPolicy:
     """The oracle's plan without its lead: each window's workers are asked for (one
     1-s tick before) the moment the window starts, so they serve a start-up later.
-    It knows every window's size and reacts at the earliest instant a causal policy
-    could (when the load arrives), so its attainment bounds what any policy reaches
-    that does not hold a window's capacity before the window's load is there."""
+    It knows every window's size; where a window's load is there from its start it
+    reacts at the earliest instant a causal policy could, so its attainment bounds
+    what any policy reaches that does not hold capacity before the load is there.
+    Where the load comes later in the window it asks early for it, and is no bound
+    (docs/backtesting.md, ``code``)."""
     policy = OraclePolicy(workload(name).scenario, _oracle_windows(name))
     policy.lead_s = 0.0
     policy.name = "reactive-oracle"
