@@ -84,7 +84,8 @@ def main() -> None:
                 lo_s, hi_s = 0.1 * duration_s, 0.95 * duration_s
                 steady = (trace.arrival_s > lo_s) & (trace.arrival_s < hi_s)
                 decoding = np.isfinite(results.finish_s) & (results.output_tokens >= 2)
-                blocks = np.ceil((results.prompt_tokens + results.output_tokens) / 16.0)[decoding]
+                tokens = results.prompt_tokens + results.output_tokens
+                blocks = np.ceil(tokens / config.block_size_tokens)[decoding]
                 start = results.decode_start_s[decoding]
                 finish = results.finish_s[decoding]
                 # Reserved blocks over the pool at each admission and finish, read on a grid.

@@ -391,6 +391,7 @@ class PoolSizes:
     decode_workers: int
     prefill_bound: BindingConstraint
     decode_bound: BindingConstraint
+    decode_arrival_scv: float  # the SCV the decode pool was sized at (behind the prefill)
 
 
 def size_pools(
@@ -432,7 +433,11 @@ def size_pools(
         model, arrival_rate_rps, decode_ca2, tpot_target, q, max_workers
     )
     return PoolSizes(
-        prefill_workers=n, decode_workers=m, prefill_bound=prefill_bound, decode_bound=decode_bound
+        prefill_workers=n,
+        decode_workers=m,
+        prefill_bound=prefill_bound,
+        decode_bound=decode_bound,
+        decode_arrival_scv=decode_ca2,
     )
 
 
@@ -461,9 +466,7 @@ def solve(
     )
     q = slo.quantile
     n, m = sizes.prefill_workers, sizes.decode_workers
-    decode_ca2 = model.arrival_scv(
-        Pool.DECODE, prefill_workers=n, arrival_rate_rps=arrival_rate_rps, ca2=ca2
-    )
+    decode_ca2 = sizes.decode_arrival_scv
     state = model.decode.load(
         workers=m, arrival_rate_rps=arrival_rate_rps, ca2=decode_ca2, quantile=q
     )
