@@ -10,17 +10,21 @@ whose queries read only its own engine's names, and the policy decides on each:
 
 - every observation field is populated by every flavour;
 - the engine flavours decide the pool sizes the `sara` flavour decides, within the
-  window's counting noise: the targets the `sara` flavour decides with its rate and
-  its ca² moved to either end of their 99.7 % intervals (N arrivals in the window:
-  N ± 3·√N; the ca², a dispersion index of per-second counts: a χ² interval) bound
-  the others'. The engine flavours count the same requests at the prefill worker as
-  they complete (a TTFT later), in the engines' coarser buckets.
+  window's counting noise and their buckets' resolution: the targets the `sara`
+  flavour decides with its rate and its ca² moved to either end of their 99.7 %
+  intervals (N arrivals in the window: N ± 3·√N; the ca², a dispersion index of
+  per-second counts: a χ² interval) and each of its lengths moved to either end of
+  what the engine's coarser length buckets allow bound the others'. The engine
+  flavours count the same requests at the prefill worker as they complete (a TTFT
+  later), and know a length only to its bucket (vLLM's 200-500 and 500-1000 hold most
+  of this mix's prompts), so a mix read from them can sit anywhere in those buckets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import subprocess
 import threading
@@ -38,13 +42,16 @@ pytest.importorskip("torch")
 
 from cli.loadgen import PlannedRequest, RequestResult, ResultStatus, run_load
 from controller.config import ControllerConfig, MetricsConfig, MetricsFlavor, SloConfig
+from controller.histograms import TOKEN_BUCKETS
 from controller.observation import Observation, PoolObservation
 from controller.policy import CapacityModels, ControllerState, decide
 from controller.sources import PrometheusSource
+from queueing.lengths import LengthSamples
 from queueing.pools import Pool
 from tests.controller.test_sources_prometheus import PROMETHEUS, wait_until
 from tests.workers.test_reliability import cli
 from workers.checkpoint import write_tiny_checkpoint
+from workers.engine_metrics import SGLANG_TOKENS_BUCKETS, build_1_2_5_buckets
 from workers.redis_util import RedisServer, free_port
 
 PROFILE = "llama-2-70b-tp4@a100-80g"  # slow steps: the emulation's overheads are small
@@ -59,6 +66,13 @@ Z = 3.0  # the intervals' half-width in standard deviations (two-sided 99.73 %)
 # A P99 TTFT SLO near the one prefill worker's P99 at this rate: the policy asks for
 # more prefill workers than run, so the comparison is not between two floors.
 SLO_TTFT_P99_S = 1.0
+TINY_CONTEXT = 4096  # the tiny checkpoint's max_position_embeddings: vLLM's length buckets' top
+# The length buckets each flavour reads a window's mix from.
+LENGTH_BUCKETS = {
+    MetricsFlavor.SARA: TOKEN_BUCKETS,
+    MetricsFlavor.VLLM: tuple(float(b) for b in build_1_2_5_buckets(TINY_CONTEXT)),
+    MetricsFlavor.SGLANG: tuple(float(b) for b in SGLANG_TOKENS_BUCKETS),
+}
 REPLICAS = {pool: PoolObservation(current_replicas=1, ready_replicas=1) for pool in Pool}
 FLAVORS = (MetricsFlavor.SARA, MetricsFlavor.VLLM, MetricsFlavor.SGLANG)
 
@@ -119,6 +133,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         pytest.skip("the prometheus binary is not installed (CI installs the Debian package)")
     work = tmp_path_factory.mktemp("flavors-e2e")
     model_dir = write_tiny_checkpoint(work / "tiny", seed=0)  # config.json and tokenizer
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    assert config["max_position_embeddings"] == TINY_CONTEXT, "vLLM's length buckets end there"
     server = RedisServer.start()
     router_port = free_port()
     ports = {pool: free_port() for pool in Pool}
@@ -231,7 +247,44 @@ def targets(observation: Observation, config: ControllerConfig) -> tuple[int, in
     return decision.pools[Pool.PREFILL].target, decision.pools[Pool.DECODE].target
 
 
-def moved(observation: Observation, *, rate_factor: float, scv_factor: float) -> Observation:
+def bucket_edge(values: np.ndarray, bounds: tuple[float, ...], *, upper: bool) -> np.ndarray:
+    """Each value's bucket's lower (first token above the bound below) or upper bound;
+    a value above the top bound sits at it, as a reconstruction from the buckets puts it."""
+    grid = np.asarray(bounds)
+    index = np.searchsorted(grid, values, side="left")  # the first bound >= the value
+    if upper:
+        return np.where(index < len(grid), grid[np.minimum(index, len(grid) - 1)], grid[-1])
+    below = np.where(index > 0, grid[np.maximum(index - 1, 0)], 0.0)
+    return np.where(index < len(grid), below + 1, grid[-1])
+
+
+def length_edge(lengths: LengthSamples, flavor: MetricsFlavor, *, upper: bool) -> LengthSamples:
+    """The `sara` flavour's mix with every length at the end, low or high, of what the
+    flavour's buckets could report for it: the true length lies anywhere in its router
+    bucket, and the engine reads any length in its own bucket as spread over that bucket."""
+
+    def edge(values: np.ndarray) -> np.ndarray:
+        router = bucket_edge(values, LENGTH_BUCKETS[MetricsFlavor.SARA], upper=upper)
+        engine = bucket_edge(router, LENGTH_BUCKETS[flavor], upper=upper)
+        # SGLang's first bucket holds every length up to 100: its low end would be one
+        # token, and a request of one output token has no TPOT for the decode pool to
+        # size on, so the low end keeps two.
+        return np.maximum(engine, 2).astype(np.int64)
+
+    return LengthSamples(
+        prompt_tokens=edge(lengths.prompt_tokens),
+        output_tokens=edge(lengths.output_tokens),
+        source=f"{lengths.source}, {flavor.value} buckets' {'upper' if upper else 'lower'} ends",
+    )
+
+
+def moved(
+    observation: Observation,
+    *,
+    rate_factor: float,
+    scv_factor: float,
+    lengths: LengthSamples | None = None,
+) -> Observation:
     assert observation.arrival_rate_rps is not None and observation.interarrival_scv is not None
     burst = observation.burst_arrival_rate_rps
     return dataclasses.replace(
@@ -239,6 +292,7 @@ def moved(observation: Observation, *, rate_factor: float, scv_factor: float) ->
         arrival_rate_rps=observation.arrival_rate_rps * rate_factor,
         burst_arrival_rate_rps=None if burst is None else burst * rate_factor,
         interarrival_scv=observation.interarrival_scv * scv_factor,
+        lengths=observation.lengths if lengths is None else lengths,
     )
 
 
@@ -261,6 +315,17 @@ def test_the_engine_flavours_decide_what_the_sara_flavour_decides_within_the_noi
     tail = stats.norm.sf(Z)
     scv_low = dof / stats.chi2.ppf(1 - tail, dof)
     scv_high = dof / stats.chi2.ppf(tail, dof)
+    assert sara.lengths is not None
+    band = {
+        flavor: (
+            targets(moved(sara, rate_factor=1 - rate_half, scv_factor=scv_low,
+                          lengths=length_edge(sara.lengths, flavor, upper=False)), config),
+            targets(moved(sara, rate_factor=1 + rate_half, scv_factor=scv_high,
+                          lengths=length_edge(sara.lengths, flavor, upper=True)), config),
+        )
+        for flavor in FLAVORS
+    }  # fmt: skip
+    # The count noise alone, with the sara flavour's own mix.
     low = targets(moved(sara, rate_factor=1 - rate_half, scv_factor=scv_low), config)
     high = targets(moved(sara, rate_factor=1 + rate_half, scv_factor=scv_high), config)
     decided = {flavor: targets(observed.observations[flavor], config) for flavor in FLAVORS}
@@ -271,15 +336,18 @@ def test_the_engine_flavours_decide_what_the_sara_flavour_decides_within_the_noi
             f"TTFT p99 {o.ttft_p99_s:.3f} TPOT p99 {o.tpot_p99_s:.4f} "
             f"queue {o.prefill_queue_depth:.0f} KV {o.kv_usage_fraction:.4f} "
             f"prompt mean {o.lengths.prompt_tokens.mean():.0f} "
-            f"output mean {o.lengths.output_tokens.mean():.1f} -> {decided[flavor]}"
+            f"output mean {o.lengths.output_tokens.mean():.1f} -> {decided[flavor]}; "
+            f"sara over the noise and these buckets {band[flavor][0]}..{band[flavor][1]}"
         )
-    print(f"sara over the window's noise: {low}..{high}")
+    print(f"sara over the window's count noise: {low}..{high}")
     for flavor in (MetricsFlavor.VLLM, MetricsFlavor.SGLANG):
+        flavor_low, flavor_high = band[flavor]
         for i, pool in enumerate(Pool):
-            assert low[i] <= decided[flavor][i] <= high[i], (
+            assert flavor_low[i] <= decided[flavor][i] <= flavor_high[i], (
                 f"{flavor.value} decides {decided[flavor][i]} {pool.value} workers; the sara "
-                f"flavour {decided[MetricsFlavor.SARA][i]} ({low[i]}..{high[i]} over its rate "
-                f"±{rate_half:.0%} and its ca² x{scv_low:.2f}..x{scv_high:.2f}); "
+                f"flavour {decided[MetricsFlavor.SARA][i]} ({flavor_low[i]}..{flavor_high[i]} "
+                f"over its rate ±{rate_half:.0%}, its ca² x{scv_low:.2f}..x{scv_high:.2f} and "
+                f"its lengths at the ends of {flavor.value}'s buckets); "
                 f"observations {observed.observations}"
             )
     # The policy asks for more prefill workers than run: not two floors compared.
