@@ -53,6 +53,14 @@ from queueing.erlang import erlang_c
 EXACT_GIM_SERVERS = 64
 
 
+def arrival_transform(s_per_s: float, *, arrival_rate_rps: float, ca2: float) -> float:
+    """A*(s) = E[exp(-s X)] of the Gamma renewal arrivals' gap X (deterministic at
+    ca2 = 0): the probability that a gap ends before an independent Exp(s) clock."""
+    if ca2 <= 1e-12:
+        return math.exp(-s_per_s / arrival_rate_rps)
+    return float((1.0 + s_per_s * ca2 / arrival_rate_rps) ** (-1.0 / ca2))
+
+
 def _gim_sigma(arrival_rate_rps: float, service_rate: float, servers: int, ca2: float) -> float:
     """The root sigma in (0, 1) of sigma = A*(c mu (1 - sigma)) (rho < 1).
 

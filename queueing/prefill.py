@@ -33,11 +33,16 @@ started V earlier, V uniform on [0, D) (the stream's offset within an iteration)
 
 The last iteration of a prompt is filled by queued work, when there is any: for a
 prompt admitted into the stream, whenever one arrived during its wait (probability
-lambda / (lambda + theta) for an exponential wait); for one that waited briefly with
-probability P_w; for one that found an idle worker with the probability that a
-boundary with budget to spare finds work queued, P_w / E[min(chunks, 2)] (waiting
-prompts are taken one per such boundary, and a prompt run alone has min(chunks, 2)
-of them).
+lambda / (lambda + theta) for an exponential wait); for one that found an idle worker
+with the probability that a boundary with budget to spare finds work queued,
+P_w / E[min(chunks, 2)] (waiting prompts are taken one per such boundary, and a
+prompt run alone has min(chunks, 2) of them). A one-chunk prompt that waited briefly
+shares its iteration with the prompts taken at the same boundary: those that arrived
+since the boundary before it and those that arrive during its wait, K of them
+(``_CoPacking``), so its fill is a distribution, not a mean: with a budget several
+prompts wide, the few waiting prompts packed with two or three others set the P99.
+A multi-chunk prompt's last chunk comes iterations later, when those have gone; its
+fill stays the mean P_w times the budget its last chunk leaves.
 
 So TTFT is S (alone), S + fill (alone, last iteration filled), a short wait + S or a
 ride (queued briefly), or W + the stream's iterations (W exponential); the P99 is the
@@ -51,9 +56,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from queueing.erlang import erlang_b
-from queueing.ggc import WaitTail, ggc_wait_tail
+from queueing.ggc import WaitTail, arrival_transform, ggc_wait_tail
 from queueing.lengths import FloatArray, LengthSamples, Strata, stratify
 from queueing.profile import IterationProfile
 
@@ -89,6 +95,89 @@ class _StreamTerms:
     two_more_base_s: FloatArray
     two_more_fill_s: FloatArray
     two_more_share: FloatArray
+
+
+# The co-packed tokens' distribution: cells per token budget, the most prompts
+# summed (beyond, every cell is the budget's), and the probability bands whose mean
+# fills stand for it (finer towards the tail, where the P99 of those who wait lies).
+_FILL_CELLS = 256
+_MAX_CO_PACKED = 512
+_FILL_BANDS = (0.0, 0.5, 0.75, 0.9, 0.96, 0.99, 1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _CoPacking:
+    """The prompts a worker takes at one boundary beside a prompt that waited briefly.
+
+    A worker that reaches a boundary with budget to spare takes the queued prompts in
+    order until the budget is spent; while every worker is busy the queue empties at
+    each such boundary. A prompt that waits therefore shares its iteration with the K
+    prompts that arrived since the boundary before it (ahead) or arrive before the
+    next one (behind). With those boundaries a Poisson stream of rate beta, its age
+    and its residual are independent Exp(beta) clocks, and each gap of the arrival
+    process (a renewal process) beats such a clock with probability q = A*(beta), its
+    Laplace transform: each count is geometric, P(>= j) = q^j, and K, their sum, is
+    negative binomial of shape 2, P(K = k) = (k + 1)(1 - q)^2 q^k (for Poisson
+    arrivals q = lambda / (lambda + beta); clustered arrivals raise q at the same rate,
+    so the prompts that wait wait in company).
+
+    ``sums[k]`` is the distribution of k prompts' total tokens on cells of
+    tau / ``_FILL_CELLS`` tokens, the last cell holding every total at or beyond the
+    budget (a prompt's fill is at most what its chunk leaves of it); ``cell_s`` the
+    cells' values times t_tok, the seconds that many tokens add to an iteration.
+    """
+
+    cell_s: FloatArray
+    sums: FloatArray  # (k + 1 prompts summed, _FILL_CELLS + 1 cells)
+    one_chunk: npt.NDArray[np.bool_]  # per class: every prompt runs in one chunk
+
+    @classmethod
+    def build(
+        cls, profile: IterationProfile, lengths: FloatArray, strata: Strata, token_budget: int
+    ) -> _CoPacking:
+        tau = float(token_budget)
+        cell_tokens = tau / _FILL_CELLS
+        index = np.minimum(np.rint(lengths / cell_tokens), _FILL_CELLS).astype(np.int64)
+        one = np.bincount(index, minlength=_FILL_CELLS + 1) / len(lengths)
+        rows = [np.eye(1, _FILL_CELLS + 1, 0)[0]]
+        while len(rows) <= _MAX_CO_PACKED and rows[-1][:_FILL_CELLS].sum() > 1e-9:
+            total = np.convolve(rows[-1], one)
+            row = total[: _FILL_CELLS + 1].copy()
+            row[_FILL_CELLS] += total[_FILL_CELLS + 1 :].sum()  # at or beyond the budget
+            rows.append(row)
+        return cls(
+            cell_s=profile.t_tok_s * cell_tokens * np.arange(_FILL_CELLS + 1, dtype=np.float64),
+            sums=np.array(rows),
+            one_chunk=strata.means((lengths <= tau).astype(np.float64)) >= 1.0,
+        )
+
+    def band_fills_s(
+        self, *, boundary_rate_per_s: float, arrival_rate_rps: float, ca2: float,
+        leftover_s: FloatArray,
+    ) -> FloatArray:  # fmt: skip
+        """Per band of ``_FILL_BANDS`` (rows) and class (columns): the mean seconds the
+        co-packed prompts add to the iteration, capped at ``leftover_s``."""
+        q = arrival_transform(boundary_rate_per_s, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
+        k = np.arange(len(self.sums), dtype=np.float64)
+        counts = (k + 1.0) * (1.0 - q) ** 2 * q**k
+        total = counts @ self.sums
+        total[-1] += max(0.0, 1.0 - float(counts.sum()))  # more prompts than summed: full
+        cdf = np.cumsum(total)
+        below = cdf - total
+        bands = np.asarray(_FILL_BANDS)
+        lo, hi = bands[:-1, None], bands[1:, None]
+        # Each cell's probability inside each band (the bands cut the quantile axis).
+        inside = np.clip(np.minimum(cdf[None, :], hi) - np.maximum(below[None, :], lo), 0.0, None)
+        # E[min(S, l); band] = (sum of p v over cells below l) + l (mass at or above l),
+        # from running sums over the cells (the cells' values ascend).
+        mass_below = np.cumsum(inside, axis=1)
+        value_below = np.cumsum(inside * self.cell_s, axis=1)
+        cut = np.searchsorted(self.cell_s, leftover_s, side="left")  # cells below l: [0, cut)
+        zero = np.zeros((len(lo), 1))
+        below_mass = np.concatenate([zero, mass_below], axis=1)[:, cut]
+        below_value = np.concatenate([zero, value_below], axis=1)[:, cut]
+        result: FloatArray = (below_value + leftover_s * (hi - lo - below_mass)) / (hi - lo)
+        return result
 
 
 def _weighted_means(strata: Strata, values: FloatArray, weights: FloatArray) -> FloatArray:
@@ -278,6 +367,7 @@ class PrefillModel:
     fill_pair_s: FloatArray  # ... in part, by two queued prompts
     fill_pair_share: FloatArray
     fresh_fill_s: FloatArray  # the fill of a prompt's last iteration from a fresh start
+    co_packing: _CoPacking  # ... when it waited briefly, with the prompts taken beside it
     stream: _StreamTerms
     ride_base_s: FloatArray  # admitted at the start of another prompt's last chunk
     ride_fill_s: FloatArray  # ... and the fill of its last iteration
@@ -323,6 +413,7 @@ class PrefillModel:
             fill_pair_s=_weighted_means(strata, profile.t_tok_s * two_mean, two_share),
             fill_pair_share=strata.means(two_share),
             fresh_fill_s=strata.means(fresh_fill),
+            co_packing=_CoPacking.build(profile, lengths, strata, token_budget),
             stream=_stream_terms(profile, lengths, strata, token_budget),
             ride_base_s=ride_base,
             ride_fill_s=ride_fill,
@@ -476,12 +567,13 @@ class PrefillModel:
     ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
         """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
 
-        Eight groups per class: alone; alone with its last iteration filled by work
-        queued at the start of its last chunk (in full, or in part by one or two
-        queued prompts); queued briefly (an atom at the mean
-        short wait), then started fresh, or riding in another prompt's last chunk when
-        another worker's boundary admitted it; and queued into the stream, ending
-        after one or two extra iterations, plus the exponential admission wait.
+        Groups per class: alone; alone with its last iteration filled by work queued
+        at the start of its last chunk (in full, or in part by one or two queued
+        prompts); queued briefly (an atom at the mean short wait), then started fresh
+        (one group per band of the co-packed prompts' fill), or riding in another
+        prompt's last chunk when another worker's boundary admitted it; and queued
+        into the stream, ending after one or two extra iterations, plus the
+        exponential admission wait.
         """
         tail = self.wait_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
         if workers == 1:
@@ -511,30 +603,43 @@ class PrefillModel:
         by_two = self.fill_pair_share * (1.0 - rho_p) * rho_p
         # A prompt that waited has behind it whatever arrived during its wait.
         stream_filled = arrival_rate_rps / (arrival_rate_rps + theta)
+        # A one-chunk prompt that waited briefly shares its fresh iteration with the
+        # prompts taken at the same boundary (``_CoPacking``); the boundaries that take
+        # queued work come at N E[min(chunks, 2)] / E[S] while all workers are busy.
+        co = self.co_packing
+        band_fills = co.band_fills_s(
+            boundary_rate_per_s=workers * self.spare_boundaries / self.mean_service_s,
+            arrival_rate_rps=arrival_rate_rps,
+            ca2=ca2,
+            leftover_s=self.fresh_fill_s,
+        )
+        fresh = self.service_s + short_wait_s
         w = self.weights
         s = self.stream
         zeros = np.zeros_like(w)
+        queued = w * pw
+        briefly = queued * (1.0 - share)
+        band_mass = np.diff(_FILL_BANDS)
         values = np.concatenate(
             [
                 self.service_s,
                 self.service_s + self.fill_alone_s,
                 self.service_s + self.fill_short_s,
                 self.service_s + self.fill_pair_s,
-                self.service_s + short_wait_s + pw * self.fresh_fill_s,
+                *(np.where(co.one_chunk, fresh + fill, fresh + pw * self.fresh_fill_s)
+                  for fill in band_fills),
                 self.ride_base_s + short_wait_s + pw * self.ride_fill_s,
                 s.one_more_base_s + stream_filled * s.one_more_fill_s,
                 s.two_more_base_s + stream_filled * s.two_more_fill_s,
             ]
-        )
-        queued = w * pw
-        briefly = queued * (1.0 - share)
+        )  # fmt: skip
         no_wait = np.concatenate(
             [
                 w * (1.0 - pw) * (1.0 - filled),
                 w * (1.0 - pw) * filled * (1.0 - by_one - by_two),
                 w * (1.0 - pw) * filled * by_one,
                 w * (1.0 - pw) * filled * by_two,
-                briefly * (1.0 - rides),
+                *(briefly * (1.0 - rides) * mass for mass in band_mass),
                 briefly * rides,
                 zeros,
                 zeros,
@@ -543,12 +648,7 @@ class PrefillModel:
         in_stream = queued * share
         with_wait = np.concatenate(
             [
-                zeros,
-                zeros,
-                zeros,
-                zeros,
-                zeros,
-                zeros,
+                *(zeros for _ in range(4 + len(band_mass) + 1)),
                 in_stream * (1.0 - s.two_more_share),
                 in_stream * s.two_more_share,
             ]

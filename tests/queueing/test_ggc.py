@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from queueing import erlang_c
-from queueing.ggc import WaitTail, _gim_sigma, _gim_wait_probability_smooth, ggc_wait_tail
+from queueing.ggc import (
+    WaitTail,
+    _gim_sigma,
+    _gim_wait_probability_smooth,
+    arrival_transform,
+    ggc_wait_tail,
+)
 
 
 @pytest.mark.parametrize(("servers", "rho"), [(1, 0.5), (4, 0.8), (50, 0.9), (2000, 0.97)])
@@ -109,3 +115,22 @@ def test_bursty_arrivals_on_few_servers_wait_as_often_and_as_long_as_simulated(
     # 60,000 correlated arrivals: a few per cent of sampling error.
     assert tail.wait_probability == pytest.approx(p_sim, rel=0.08)
     assert 1.0 / tail.decay_rate_per_s == pytest.approx(mean_sim, rel=0.1)
+
+
+@pytest.mark.parametrize("ca2", [0.0, 0.5, 1.0, 4.0])
+def test_the_arrival_transform_is_the_chance_a_gap_ends_before_an_exponential_clock(
+    ca2: float,
+) -> None:
+    lam, s = 3.0, 5.0
+    rng = np.random.default_rng(11)
+    n = 200_000
+    gaps = (
+        np.full(n, 1.0 / lam)
+        if ca2 == 0.0
+        else rng.gamma(1.0 / ca2, ca2 / lam, n)  # mean 1/lam, SCV ca2
+    )
+    beaten = gaps < rng.exponential(1.0 / s, n)
+    expected = arrival_transform(s, arrival_rate_rps=lam, ca2=ca2)
+    assert expected == pytest.approx(float(beaten.mean()), abs=4 * math.sqrt(0.25 / n))
+    if ca2 == 1.0:
+        assert expected == pytest.approx(lam / (lam + s), rel=1e-12)

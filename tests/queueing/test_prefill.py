@@ -11,6 +11,7 @@ from scipy import optimize
 from queueing.ggc import WaitTail
 from queueing.lengths import LengthSamples
 from queueing.prefill import (
+    _FILL_BANDS,
     PrefillModel,
     _fresh_start_wait_s,
     mg1_wait_quantile_s,
@@ -240,3 +241,52 @@ def test_one_worker_with_a_heavy_tailed_mix_waits_as_its_exact_tail_says_and_con
     monkeypatch.setattr("queueing.prefill.mg1_wait_quantile_s", lambda *a, **k: None)
     model = _heavy_tailed_model()
     assert p99(1.0) < 0.95 * matched
+
+
+def _co_packed_counts(
+    rng: np.random.Generator, *, rate: float, ca2: float, boundary_rate: float, n: int
+) -> np.ndarray:
+    """Monte Carlo of what the model derives: Gamma-renewal arrivals and an
+    independent Poisson stream of boundaries, each taking every prompt queued since
+    the last; for each arrival, how many others its boundary takes with it."""
+    gaps = rng.gamma(1.0 / ca2, ca2 / rate, n) if ca2 != 1.0 else rng.exponential(1.0 / rate, n)
+    arrivals = np.cumsum(gaps)
+    spans = rng.exponential(1.0 / boundary_rate, int(n * boundary_rate / rate * 1.2))
+    boundaries = np.cumsum(spans)
+    taken_at = np.searchsorted(boundaries, arrivals)  # the boundary that takes each arrival
+    keep = taken_at < len(boundaries)
+    group_sizes = np.bincount(taken_at[keep])
+    counts: np.ndarray = group_sizes[taken_at[keep]] - 1
+    return counts[n // 10 :]
+
+
+@pytest.mark.parametrize("ca2", [1.0, 4.0])
+def test_a_prompt_that_waits_briefly_shares_its_iteration_as_a_simulated_queue_packs_it(
+    ca2: float,
+) -> None:
+    # Every prompt 200 tokens, a budget of 1000: a waiting prompt's iteration holds
+    # it and min(K, 4) others, K the prompts its boundary takes beside it. The band
+    # fills are the band means of that fill over the simulated K.
+    budget, length = 1000, 200
+    samples = LengthSamples(
+        prompt_tokens=np.full(1000, length), output_tokens=np.full(1000, 10), source="test"
+    )
+    model = PrefillModel.build(samples, TEST_8B, token_budget=budget)
+    rate, boundary_rate = 40.0, 60.0
+    leftover_s = model.fresh_fill_s
+    fills = model.co_packing.band_fills_s(
+        boundary_rate_per_s=boundary_rate, arrival_rate_rps=rate, ca2=ca2, leftover_s=leftover_s
+    )[:, 0]
+    counts = _co_packed_counts(
+        np.random.default_rng(3), rate=rate, ca2=ca2, boundary_rate=boundary_rate, n=400_000
+    )
+    simulated = np.sort(np.minimum(counts, (budget - length) // length) * length * TEST_8B.t_tok_s)
+    bands = np.asarray(_FILL_BANDS)
+    edges = np.rint(bands * len(simulated)).astype(int)
+    # Counts are whole prompts: a wrong law of K moves a band's mean by a good part of
+    # one prompt's fill (the Poisson law for ca2 = 4 by 0.3 to 1 of it); the Monte
+    # Carlo's noise on 40,000 boundaries is a few hundredths of one.
+    tolerance = 0.1 * length * TEST_8B.t_tok_s
+    for b in range(len(bands) - 1):
+        chunk = simulated[edges[b] : edges[b + 1]]
+        assert fills[b] == pytest.approx(float(chunk.mean()), abs=tolerance), (b, fills)
