@@ -248,10 +248,11 @@ def _drawn_case(*, seed: int, cases: int, index: int) -> tuple[Case, LengthSampl
 
 def probe_burst(*, seed: int, cases: int, index: int, requests: int, replications: int) -> None:
     """One drawn case at its own pools, under arrivals of SCV 1, 2, 4 and 8: the
-    predicted and simulated P99 TPOT. The decode pool's arrivals are the prefill
-    pool's departures; a simulated TPOT that moves less with the SCV than the
+    predicted and simulated P99 TTFT and TPOT. The decode pool's arrivals are the
+    prefill pool's departures; a simulated TPOT that moves less with the SCV than the
     prediction shows how much of the arrivals' burstiness the prefill pool smooths
-    away before the decode pool sees it."""
+    away before the decode pool sees it. The TTFT rows try the case's mix and pools
+    on arrival processes the drawn set did not give it."""
     import dataclasses
 
     case, samples = _drawn_case(seed=seed, cases=cases, index=index)
@@ -272,9 +273,11 @@ def probe_burst(*, seed: int, cases: int, index: int, requests: int, replication
             decode_workers=decode,
         )
         print(
-            f"  ca2 {ca2:g}: P99 TPOT predicted {1e3 * result.tpot_pred_s:.2f} ms, simulated "
-            f"{1e3 * result.tpot_sim.mean_s:.2f} ms +- {100 * result.tpot_sim.relative_ci:.1f} %"
-            f" ({100 * result.tpot_err:+.1f} %)",
+            f"  ca2 {ca2:g}: P99 TTFT predicted {result.ttft_pred_s:.4f} s, simulated "
+            f"{result.ttft_sim.mean_s:.4f} s +- {100 * result.ttft_sim.relative_ci:.1f} % "
+            f"({100 * result.ttft_err:+.1f} %); P99 TPOT predicted "
+            f"{1e3 * result.tpot_pred_s:.2f} ms, simulated {1e3 * result.tpot_sim.mean_s:.2f} ms "
+            f"+- {100 * result.tpot_sim.relative_ci:.1f} % ({100 * result.tpot_err:+.1f} %)",
             flush=True,
         )
 

@@ -188,7 +188,7 @@ def main() -> None:
         "--probe-burst",
         type=int,
         metavar="INDEX",
-        help="--random: case INDEX's P99 TPOT at arrival SCV 1, 2, 4, 8, simulated and modelled",
+        help="--random: case INDEX's P99 TTFT and TPOT at arrival SCV 1, 2, 4 and 8",
     )
     args = parser.parse_args()
     if args.random:
