@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+from scipy import special
 
 from queueing.erlang import erlang_b
 from queueing.ggc import WaitTail, arrival_transform, ggc_wait_tail
@@ -152,14 +153,31 @@ class _CoPacking:
         )
 
     def band_fills_s(
-        self, *, boundary_rate_per_s: float, arrival_rate_rps: float, ca2: float,
-        leftover_s: FloatArray,
+        self, *, boundary_rate_per_s: float, boundary_scv: float, arrival_rate_rps: float,
+        ca2: float, leftover_s: FloatArray,
     ) -> FloatArray:  # fmt: skip
         """Per band of ``_FILL_BANDS`` (rows) and class (columns): the mean seconds the
-        co-packed prompts add to the iteration, capped at ``leftover_s``."""
-        q = arrival_transform(boundary_rate_per_s, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
+        co-packed prompts add to the iteration, capped at ``leftover_s``.
+
+        The boundaries' gaps have SCV ``boundary_scv``: as Gamma gaps of shape
+        k = 1 / SCV, the gap holding an arrival is length-biased, Gamma of shape k + 1,
+        k + 1 exponential phases of rate k beta, and K is negative binomial of shape
+        k + 1 with q = A*(k beta): exact for Poisson boundaries (shape 2) and, for
+        any boundaries, for Poisson arrivals (K mixed Poisson over the biased gap); for
+        one worker of regular iterations it tends to Poisson(lambda / beta), half the
+        exponential clocks' mean.
+        """
+        shape = 1.0 / max(boundary_scv, 1e-3)
+        q = arrival_transform(
+            shape * boundary_rate_per_s, arrival_rate_rps=arrival_rate_rps, ca2=ca2
+        )
         k = np.arange(len(self.sums), dtype=np.float64)
-        counts = (k + 1.0) * (1.0 - q) ** 2 * q**k
+        r = shape + 1.0
+        log_counts = (
+            special.gammaln(k + r) - special.gammaln(r) - special.gammaln(k + 1.0)
+            + r * math.log1p(-q) + k * math.log(max(q, 1e-300))
+        )  # fmt: skip
+        counts = np.exp(log_counts)
         total = counts @ self.sums
         total[-1] += max(0.0, 1.0 - float(counts.sum()))  # more prompts than summed: full
         cdf = np.cumsum(total)
@@ -605,10 +623,14 @@ class PrefillModel:
         stream_filled = arrival_rate_rps / (arrival_rate_rps + theta)
         # A one-chunk prompt that waited briefly shares its fresh iteration with the
         # prompts taken at the same boundary (``_CoPacking``); the boundaries that take
-        # queued work come at N E[min(chunks, 2)] / E[S] while all workers are busy.
+        # queued work come at N E[min(chunks, 2)] / E[S] while all workers are busy,
+        # their gaps as variable as the solo service's on one worker and tending to
+        # a Poisson stream's over many (the superposition's SCV, as Whitt's QNA
+        # merges streams: 1 + (c_s^2 - 1) / N).
         co = self.co_packing
         band_fills = co.band_fills_s(
             boundary_rate_per_s=workers * self.spare_boundaries / self.mean_service_s,
+            boundary_scv=1.0 + (self.service_scv - 1.0) / workers,
             arrival_rate_rps=arrival_rate_rps,
             ca2=ca2,
             leftover_s=self.fresh_fill_s,

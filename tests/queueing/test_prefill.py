@@ -244,14 +244,22 @@ def test_one_worker_with_a_heavy_tailed_mix_waits_as_its_exact_tail_says_and_con
 
 
 def _co_packed_counts(
-    rng: np.random.Generator, *, rate: float, ca2: float, boundary_rate: float, n: int
+    rng: np.random.Generator,
+    *,
+    rate: float,
+    ca2: float,
+    boundary_rate: float,
+    boundary_scv: float,
+    n: int,
 ) -> np.ndarray:
     """Monte Carlo of what the model derives: Gamma-renewal arrivals and an
-    independent Poisson stream of boundaries, each taking every prompt queued since
-    the last; for each arrival, how many others its boundary takes with it."""
-    gaps = rng.gamma(1.0 / ca2, ca2 / rate, n) if ca2 != 1.0 else rng.exponential(1.0 / rate, n)
+    independent renewal stream of boundaries (Gamma gaps), each taking every prompt
+    queued since the last; for each arrival, how many others its boundary takes with
+    it."""
+    gaps = rng.gamma(1.0 / ca2, ca2 / rate, n)
     arrivals = np.cumsum(gaps)
-    spans = rng.exponential(1.0 / boundary_rate, int(n * boundary_rate / rate * 1.2))
+    count = int(n * boundary_rate / rate * 1.2)
+    spans = rng.gamma(1.0 / boundary_scv, boundary_scv / boundary_rate, count)
     boundaries = np.cumsum(spans)
     taken_at = np.searchsorted(boundaries, arrivals)  # the boundary that takes each arrival
     keep = taken_at < len(boundaries)
@@ -260,13 +268,18 @@ def _co_packed_counts(
     return counts[n // 10 :]
 
 
-@pytest.mark.parametrize("ca2", [1.0, 4.0])
+@pytest.mark.parametrize(
+    ("ca2", "boundary_scv"),
+    [(1.0, 1.0), (4.0, 1.0), (1.0, 0.25)],
+    ids=["poisson-arrivals", "clustered-arrivals", "regular-boundaries"],
+)
 def test_a_prompt_that_waits_briefly_shares_its_iteration_as_a_simulated_queue_packs_it(
-    ca2: float,
+    ca2: float, boundary_scv: float
 ) -> None:
     # Every prompt 200 tokens, a budget of 1000: a waiting prompt's iteration holds
     # it and min(K, 4) others, K the prompts its boundary takes beside it. The band
-    # fills are the band means of that fill over the simulated K.
+    # fills are the band means of that fill over the simulated K (the law is exact
+    # for Poisson boundaries, and for Poisson arrivals whatever the boundaries).
     budget, length = 1000, 200
     samples = LengthSamples(
         prompt_tokens=np.full(1000, length), output_tokens=np.full(1000, 10), source="test"
@@ -275,10 +288,19 @@ def test_a_prompt_that_waits_briefly_shares_its_iteration_as_a_simulated_queue_p
     rate, boundary_rate = 40.0, 60.0
     leftover_s = model.fresh_fill_s
     fills = model.co_packing.band_fills_s(
-        boundary_rate_per_s=boundary_rate, arrival_rate_rps=rate, ca2=ca2, leftover_s=leftover_s
+        boundary_rate_per_s=boundary_rate,
+        boundary_scv=boundary_scv,
+        arrival_rate_rps=rate,
+        ca2=ca2,
+        leftover_s=leftover_s,
     )[:, 0]
     counts = _co_packed_counts(
-        np.random.default_rng(3), rate=rate, ca2=ca2, boundary_rate=boundary_rate, n=400_000
+        np.random.default_rng(3),
+        rate=rate,
+        ca2=ca2,
+        boundary_rate=boundary_rate,
+        boundary_scv=boundary_scv,
+        n=400_000,
     )
     simulated = np.sort(np.minimum(counts, (budget - length) // length) * length * TEST_8B.t_tok_s)
     bands = np.asarray(_FILL_BANDS)
