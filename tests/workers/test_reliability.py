@@ -183,15 +183,26 @@ async def one_request(client: httpx.AsyncClient, url: str, i: int) -> str:
         return f"hung: {type(exc).__name__} after {tokens} tokens"
 
 
-async def load(url: str, during: object) -> Counter[str]:
+async def load(url: str, during: object, *, keep_sending: bool = False) -> Counter[str]:
+    """REQUESTS streams over a little under a second, then ``during`` in a thread.
+
+    With ``keep_sending`` the requests go on at the same pace (up to ten times as
+    many) until ``during`` returns, so that work is still in flight whenever it looks
+    for some: fast emulated workers can finish a burst's prefills before ``during``
+    starts."""
     timeout = httpx.Timeout(CLIENT_TIMEOUT_S, connect=10.0)
-    limits = httpx.Limits(max_connections=REQUESTS + 10)
+    most = REQUESTS * (10 if keep_sending else 1)
+    limits = httpx.Limits(max_connections=most + 10)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         tasks = []
         for i in range(REQUESTS):
             tasks.append(asyncio.create_task(one_request(client, url, i)))
             await asyncio.sleep(0.02)  # a burst over a little under a second
-        await asyncio.to_thread(during)  # type: ignore[arg-type]
+        chooser = asyncio.create_task(asyncio.to_thread(during))  # type: ignore[arg-type]
+        while keep_sending and not chooser.done() and len(tasks) < most:
+            tasks.append(asyncio.create_task(one_request(client, url, len(tasks) % REQUESTS)))
+            await asyncio.sleep(0.02)
+        await chooser
         outcomes = await asyncio.gather(*tasks)
     errors = sorted({o for o in outcomes if o != "ok"})
     counts = Counter(o.split(":")[0] for o in outcomes)

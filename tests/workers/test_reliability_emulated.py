@@ -170,9 +170,9 @@ def test_killing_an_emulated_worker_of_each_pool_mid_stream_loses_no_request(
                 free = [n for n in names if n not in taken]
                 victims[(pool, sig)] = kill_any_holding(stack, pool, free, sig)
 
-    outcomes = asyncio.run(load(stack.router_url, during))
+    outcomes = asyncio.run(load(stack.router_url, during, keep_sending=True))
     assert len(victims) == 4, victims
-    assert outcomes["ok"] == REQUESTS, (outcomes, _tails(stack.logs))
+    assert outcomes["ok"] >= REQUESTS and set(outcomes) == {"ok"}, (outcomes, _tails(stack.logs))
     for (_, sig), worker_id in victims.items():
         if sig is signal.SIGTERM:
             assert stack.workers[worker_id].wait(timeout=60) == 0, _tails(stack.logs)
