@@ -36,6 +36,7 @@ from sim.fidelity import (
     decode_workers_for,
     draw_cases,
     run_case,
+    simulated_departures,
 )
 from sim.workload import gamma_arrivals, synthesize
 
@@ -280,6 +281,63 @@ def probe_burst(*, seed: int, cases: int, index: int, requests: int, replication
             f"+- {100 * result.tpot_sim.relative_ci:.1f} % ({100 * result.tpot_err:+.1f} %)",
             flush=True,
         )
+
+
+def probe_departures(*, seed: int, cases: int, index: int, requests: int) -> None:
+    """One drawn case's decode arrivals as its decode pool's batch sees them.
+
+    The pool-wide mode of the decode batch carries the arrivals' dispersion: for an
+    infinite-server queue the occupancy's variance over mean, d. The model takes d =
+    1 + (c^2 - 1) kappa (Whitt's GI/G/inf factor), c^2 the prefill pool's departure
+    SCV (QNA's linking equation), as for a renewal stream of that SCV whose lives are
+    long beside its gaps. Here d is measured on an infinite-server queue whose lives
+    are the mix's decode steps times the model's iteration time, fed by: a Gamma
+    renewal stream of SCV c^2 (the model's assumption), the simulated prefill pool's
+    departures (what the decode pool gets), and the arrivals themselves."""
+    case, samples = _drawn_case(seed=seed, cases=cases, index=index)
+    model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
+    n = case.prefill_workers
+    rate = case.utilisation * n / model.prefill.mean_service_s
+    c2 = model.prefill.departure_scv(workers=n, arrival_rate_rps=rate, ca2=case.ca2)
+    decode = decode_workers_for(model, rate, case.ca2, case.utilisation)
+    iteration_s = model.decode.load(
+        workers=decode, arrival_rate_rps=rate, ca2=c2, quantile=0.5
+    ).iteration_s
+    steps = samples.output_tokens[samples.output_tokens >= 2].astype(np.float64) - 1.0
+    rng = np.random.default_rng([case.seed, 3])
+
+    def dispersion(arrival_s: np.ndarray) -> float:
+        lives_s = rng.choice(steps, size=len(arrival_s)) * iteration_s
+        at = rng.uniform(arrival_s[len(arrival_s) // 10], arrival_s[-1], 100_000)
+        present = np.searchsorted(np.sort(arrival_s), at) - np.searchsorted(
+            np.sort(arrival_s + lives_s), at
+        )
+        return float(present.var() / present.mean())
+
+    renewal = np.cumsum(rng.gamma(1.0 / c2, c2 / rate, requests))
+    departures = simulated_departures(
+        samples,
+        case.profile,
+        token_budget=model.token_budget,
+        workers=n,
+        rate=rate,
+        ca2=case.ca2,
+        requests=requests,
+        rng=rng,
+    )
+    arrivals = np.cumsum(rng.gamma(1.0 / case.ca2, case.ca2 / rate, requests))
+    gaps = np.diff(departures)
+    print(
+        f"seed {seed} case {index}: {case.label}, {case.profile.name}, N {n}, M {decode}, "
+        f"u {case.utilisation:.2f}, ca2 {case.ca2:g}; mean life "
+        f"{steps.mean() * iteration_s:.2f} s, mean gap {1.0 / rate:.3f} s; departure SCV "
+        f"{c2:.2f} modelled, {float(gaps.var() / gaps.mean() ** 2):.2f} "
+        "simulated\n"
+        f"  d model {model.decode._dispersion(c2):.3f}; measured: renewal of SCV c^2 "
+        f"{dispersion(renewal):.3f}, simulated departures {dispersion(departures):.3f}, "
+        f"the arrivals {dispersion(arrivals):.3f} (model for them "
+        f"{model.decode._dispersion(case.ca2):.3f})"
+    )
 
 
 def probe_wait(*, seed: int, cases: int, index: int, requests: int) -> None:

@@ -185,6 +185,12 @@ def main() -> None:
         help="--random: case INDEX's probability of waiting, simulated and modelled",
     )
     parser.add_argument(
+        "--probe-departures",
+        type=int,
+        metavar="INDEX",
+        help="--random: case INDEX's decode arrivals' dispersion, modelled and measured",
+    )
+    parser.add_argument(
         "--probe-burst",
         type=int,
         metavar="INDEX",
@@ -201,6 +207,15 @@ def main() -> None:
                 index=args.probe_burst,
                 requests=4_000,
                 replications=4,
+            )
+            return
+
+        if args.probe_departures is not None:
+            fidelity_random.probe_departures(
+                seed=args.seed,
+                cases=16 if args.quick else args.cases,
+                index=args.probe_departures,
+                requests=40_000,
             )
             return
 

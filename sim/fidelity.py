@@ -53,6 +53,7 @@ from enum import Enum
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 from scipy import stats
 
 from queueing.lengths import LengthSamples
@@ -352,6 +353,34 @@ def simulated_departure_scv(
     the decode pool's arrivals) of a simulated prefill pool of ``workers`` under Gamma
     arrivals of SCV ``ca2``, the first 5 % of the departures left out (and the requests
     rejected for their length, which never reach a worker)."""
+    departures = simulated_departures(
+        samples,
+        profile,
+        token_budget=token_budget,
+        workers=workers,
+        rate=rate,
+        ca2=ca2,
+        requests=requests,
+        rng=rng,
+    )
+    gaps = np.diff(departures)
+    return float(gaps.var() / gaps.mean() ** 2)
+
+
+def simulated_departures(
+    samples: LengthSamples,
+    profile: IterationProfile,
+    *,
+    token_budget: int,
+    workers: int,
+    rate: float,
+    ca2: float,
+    requests: int,
+    rng: np.random.Generator,
+) -> npt.NDArray[np.float64]:
+    """The first-token times (sorted) of a simulated prefill pool of ``workers`` under
+    Gamma arrivals of SCV ``ca2``, the first 5 % left out (and the requests rejected for
+    their length, which never reach a worker)."""
     config = ClusterConfig(
         prefill_workers=workers,
         decode_workers=64,
@@ -365,8 +394,8 @@ def simulated_departure_scv(
     first_token_s = trace.arrival_s + results.ttft_s
     # Requests beyond the context are rejected at arrival and never leave the pool.
     departures = np.sort(first_token_s[np.isfinite(first_token_s)])
-    gaps = np.diff(departures[len(departures) // 20 :])
-    return float(gaps.var() / gaps.mean() ** 2)
+    result: npt.NDArray[np.float64] = departures[len(departures) // 20 :]
+    return result
 
 
 def _decide(
