@@ -200,36 +200,26 @@ def main() -> None:
     if args.random:
         import fidelity_random
 
-        if args.probe_burst is not None:
-            fidelity_random.probe_burst(
-                seed=args.seed,
-                cases=16 if args.quick else args.cases,
-                index=args.probe_burst,
-                requests=4_000,
-                replications=4,
-            )
-            return
-
-        if args.probe_departures is not None:
-            fidelity_random.probe_departures(
-                seed=args.seed,
-                cases=16 if args.quick else args.cases,
-                index=args.probe_departures,
-                requests=40_000,
-            )
-            return
-
-        if args.probe_wait is not None:
-            fidelity_random.probe_wait(
-                seed=args.seed,
-                cases=16 if args.quick else args.cases,
-                index=args.probe_wait,
-                requests=20_000,
-            )
-            return
+        cases = 16 if args.quick else args.cases
+        # Each probe looks at one drawn case (the same draws as the bench's).
+        probes = {
+            "probe_burst": lambda index: fidelity_random.probe_burst(
+                seed=args.seed, cases=cases, index=index, requests=4_000, replications=4
+            ),
+            "probe_departures": lambda index: fidelity_random.probe_departures(
+                seed=args.seed, cases=cases, index=index, requests=40_000
+            ),
+            "probe_wait": lambda index: fidelity_random.probe_wait(
+                seed=args.seed, cases=cases, index=index, requests=20_000
+            ),
+        }
+        for option, probe in probes.items():
+            if getattr(args, option) is not None:
+                probe(getattr(args, option))
+                return
         fidelity_random.main(
             seed=args.seed,
-            cases=16 if args.quick else args.cases,
+            cases=cases,
             requests=2_000 if args.quick else 4_000,
             replications=3 if args.quick else 4,
             jobs=args.jobs,
