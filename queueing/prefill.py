@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from scipy import special
 
 from queueing.erlang import erlang_b
 from queueing.ggc import WaitTail, arrival_transform, ggc_wait_tail
@@ -104,6 +103,9 @@ class _StreamTerms:
 _FILL_CELLS = 256
 _MAX_CO_PACKED = 512
 _FILL_BANDS = (0.0, 0.5, 0.75, 0.9, 0.96, 0.99, 1.0)
+_BAND_LO = np.array(_FILL_BANDS[:-1])[:, None]
+_BAND_HI = np.array(_FILL_BANDS[1:])[:, None]
+_BAND_MASS = np.diff(_FILL_BANDS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,19 +173,16 @@ class _CoPacking:
         q = arrival_transform(
             shape * boundary_rate_per_s, arrival_rate_rps=arrival_rate_rps, ca2=ca2
         )
-        k = np.arange(len(self.sums), dtype=np.float64)
+        # P(K = k) = C(k + r - 1, k) (1 - q)^r q^k, by its ratio q (k - 1 + r) / k.
         r = shape + 1.0
-        log_counts = (
-            special.gammaln(k + r) - special.gammaln(r) - special.gammaln(k + 1.0)
-            + r * math.log1p(-q) + k * math.log(max(q, 1e-300))
-        )  # fmt: skip
-        counts = np.exp(log_counts)
+        k = np.arange(1, len(self.sums), dtype=np.float64)
+        ratios = np.concatenate([[1.0], q * (k - 1.0 + r) / k])
+        counts = (1.0 - q) ** r * np.cumprod(ratios)
         total = counts @ self.sums
         total[-1] += max(0.0, 1.0 - float(counts.sum()))  # more prompts than summed: full
         cdf = np.cumsum(total)
         below = cdf - total
-        bands = np.asarray(_FILL_BANDS)
-        lo, hi = bands[:-1, None], bands[1:, None]
+        lo, hi = _BAND_LO, _BAND_HI
         # Each cell's probability inside each band (the bands cut the quantile axis).
         inside = np.clip(np.minimum(cdf[None, :], hi) - np.maximum(below[None, :], lo), 0.0, None)
         # E[min(S, l); band] = (sum of p v over cells below l) + l (mass at or above l),
@@ -638,39 +637,37 @@ class PrefillModel:
         fresh = self.service_s + short_wait_s
         w = self.weights
         s = self.stream
-        zeros = np.zeros_like(w)
         queued = w * pw
         briefly = queued * (1.0 - share)
-        band_mass = np.diff(_FILL_BANDS)
+        # One row per fill band; a multi-chunk class keeps the mean fill in every row.
+        band_values = fresh + np.where(co.one_chunk, band_fills, pw * self.fresh_fill_s)
         values = np.concatenate(
             [
                 self.service_s,
                 self.service_s + self.fill_alone_s,
                 self.service_s + self.fill_short_s,
                 self.service_s + self.fill_pair_s,
-                *(np.where(co.one_chunk, fresh + fill, fresh + pw * self.fresh_fill_s)
-                  for fill in band_fills),
+                band_values.ravel(),
                 self.ride_base_s + short_wait_s + pw * self.ride_fill_s,
                 s.one_more_base_s + stream_filled * s.one_more_fill_s,
                 s.two_more_base_s + stream_filled * s.two_more_fill_s,
             ]
-        )  # fmt: skip
+        )
         no_wait = np.concatenate(
             [
                 w * (1.0 - pw) * (1.0 - filled),
                 w * (1.0 - pw) * filled * (1.0 - by_one - by_two),
                 w * (1.0 - pw) * filled * by_one,
                 w * (1.0 - pw) * filled * by_two,
-                *(briefly * (1.0 - rides) * mass for mass in band_mass),
+                np.outer(_BAND_MASS, briefly * (1.0 - rides)).ravel(),
                 briefly * rides,
-                zeros,
-                zeros,
+                np.zeros(2 * len(w)),
             ]
         )
         in_stream = queued * share
         with_wait = np.concatenate(
             [
-                *(zeros for _ in range(4 + len(band_mass) + 1)),
+                np.zeros(len(values) - 2 * len(w)),
                 in_stream * (1.0 - s.two_more_share),
                 in_stream * s.two_more_share,
             ]
