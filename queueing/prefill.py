@@ -692,7 +692,9 @@ class PrefillModel:
         values, no_wait, with_wait, theta = self._atoms(
             workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2
         )
-        order = np.argsort(values, kind="stable")
+        # Atoms without mass (groups a pool's state leaves empty) only slow the sort.
+        held = np.flatnonzero(no_wait + with_wait > 0.0)
+        order = held[np.argsort(values[held], kind="stable")]
         return mixed_atoms_quantile(
             values[order], no_wait[order], with_wait[order], theta, quantile
         )
