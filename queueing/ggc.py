@@ -47,6 +47,7 @@ import numpy as np
 from scipy import special
 
 from queueing.erlang import erlang_c
+from queueing.lengths import FloatArray
 
 # Up to this many servers the exact GI/M/c probability of waiting is evaluated (its
 # boundary sums hold 1e-12 against Erlang C there); beyond, the many-server limit.
@@ -128,6 +129,84 @@ def _gim_wait_probability_smooth(
         shifted = _gim_sigma(rate, service_rate, servers, ca2)
         values.append(_gim_wait_probability(rate, service_rate, servers, ca2, shifted))
     return 0.5 * (values[0] + values[1])
+
+
+# Spitzer's series for GI/D/c: summed in blocks that double from the first, up to
+# this many terms in all (they fall geometrically, slowly near saturation, where the
+# rest is bounded by the geometric series of the last ratio).
+_SPITZER_FIRST_BLOCK = 64
+_SPITZER_TERMS = 1_024
+
+
+@dataclass(frozen=True, kw_only=True)
+class GidWait:
+    """The wait of FCFS Gamma renewal arrivals at c servers of equal service times."""
+
+    wait_probability: float
+    mean_wait_s: float  # over all arrivals, those that do not wait included
+
+    @property
+    def conditional_mean_s(self) -> float:
+        """E[W | W > 0]."""
+        return self.mean_wait_s / self.wait_probability
+
+
+def _geometric_rest(terms: FloatArray) -> float:
+    """The sum beyond ``terms`` of a series whose terms fall by their last ratio."""
+    if terms[-2] <= 0.0:
+        return 0.0
+    ratio = float(terms[-1] / terms[-2])
+    return float(terms[-1]) * ratio / (1.0 - ratio) if 0.0 < ratio < 1.0 else 0.0
+
+
+def gid_wait(*, arrival_rate_rps: float, service_s: float, servers: int, ca2: float) -> GidWait:
+    """Exact P(wait) and mean wait of FCFS Gamma renewal arrivals (SCV ``ca2``) at c
+    servers of constant service time ``service_s``.
+
+    With equal service times customer n starts when customer n - c leaves, so the
+    queue is a GI/D/1 queue fed every c-th arrival, whose gaps are Gamma of shape
+    c / ca2 and rate lambda / ca2, and Spitzer's identity gives
+    P(no wait) = exp(-sum_k P(S_k > 0) / k) and E[W] = sum_k E[max(S_k, 0)] / k,
+    S_k = k D - T_k, T_k the sum of k such gaps (F. Spitzer, "A combinatorial lemma
+    and its application to probability theory", Trans. AMS 82, 1956; the
+    every-c-th reduction holds only for constant service). With shape s = c / ca2 and
+    x = lambda D / ca2, P(S_k > 0) is the regularised incomplete gamma P(k s, k x) and
+    E[max(S_k, 0)] / k = D P(k s, k x) - (c / lambda) P(k s + 1, k x).
+
+    The series are summed to ``_SPITZER_TERMS`` terms and a geometric rest: exact to
+    1e-6 up to rho = 0.9 on one server and to 1e-9 at rho = 0.95 on 32, low near
+    saturation (M/D/1 at rho = 0.99: P(wait) 0.984 for 0.99, mean 31 for 49.5).
+    """
+    if servers < 1:
+        raise ValueError(f"servers: must be >= 1, got {servers!r}")
+    rho = arrival_rate_rps * service_s / servers
+    if not (0.0 < rho < 1.0):
+        raise ValueError(f"arrival_rate_rps: load {rho:.6g} per server must be in (0, 1)")
+    if not (math.isfinite(ca2) and ca2 > 0.0):
+        raise ValueError(f"ca2: must be a finite number > 0, got {ca2!r}")
+    shape = servers / ca2
+    x = arrival_rate_rps * service_s / ca2
+    gap_s = servers / arrival_rate_rps
+    log_idle = 0.0
+    mean_s = 0.0
+    start, size = 1, _SPITZER_FIRST_BLOCK
+    while True:
+        k = np.arange(start, start + size, dtype=np.float64)
+        started = special.gammainc(k * shape, k * x)
+        log_terms = started / k
+        mean_terms = service_s * started - gap_s * special.gammainc(k * shape + 1.0, k * x)
+        log_idle += float(log_terms.sum())
+        mean_s += float(mean_terms.sum())
+        start += size
+        if log_terms[-1] <= 1e-15 * log_idle:
+            break
+        if start + 2 * size > _SPITZER_TERMS + 1:
+            # The rest of each series, by the geometric series of its last ratio.
+            log_idle += _geometric_rest(log_terms)
+            mean_s += _geometric_rest(mean_terms)
+            break
+        size *= 2
+    return GidWait(wait_probability=-math.expm1(-log_idle), mean_wait_s=max(mean_s, 0.0))
 
 
 def _log_halfin_whitt_alpha(beta: float) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from queueing.ggc import (
     _gim_wait_probability_smooth,
     arrival_transform,
     ggc_wait_tail,
+    gid_wait,
 )
 
 
@@ -134,3 +136,68 @@ def test_the_arrival_transform_is_the_chance_a_gap_ends_before_an_exponential_cl
     assert expected == pytest.approx(float(beaten.mean()), abs=4 * math.sqrt(0.25 / n))
     if ca2 == 1.0:
         assert expected == pytest.approx(lam / (lam + s), rel=1e-12)
+
+
+def _simulate_gid_c(
+    *, servers: int, rho: float, ca2: float, arrivals: int, seed: int
+) -> tuple[float, float, float]:
+    """FCFS at c servers of unit service, Gamma arrivals: (P(wait), mean wait, the
+    mean wait's 95 % half-width from 20 batch means), the first tenth left out."""
+    rng = np.random.default_rng(seed)
+    shape = 1.0 / ca2
+    starts = np.cumsum(rng.gamma(shape, 1.0 / (rho * servers * shape), arrivals))
+    free_at = [0.0] * servers
+    waits = np.empty(arrivals)
+    for i, t in enumerate(starts):
+        start = max(heapq.heappop(free_at), t)
+        waits[i] = start - t
+        heapq.heappush(free_at, start + 1.0)
+    kept = waits[arrivals // 10 :]
+    batches = np.array([b.mean() for b in np.array_split(kept, 20)])
+    half_width = 2.09 * float(batches.std(ddof=1)) / math.sqrt(20)
+    return float((kept > 0).mean()), float(kept.mean()), half_width
+
+
+@pytest.mark.parametrize(("servers", "rho"), [(1, 0.5), (1, 0.9)])
+def test_equal_service_with_poisson_arrivals_on_one_server_is_pollaczek_khinchine(
+    servers: int, rho: float
+) -> None:
+    wait = gid_wait(arrival_rate_rps=rho, service_s=1.0, servers=servers, ca2=1.0)
+    assert wait.wait_probability == pytest.approx(rho, rel=1e-6)
+    assert wait.mean_wait_s == pytest.approx(rho / (2.0 * (1.0 - rho)), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("servers", "rho", "ca2"), [(8, 0.12, 4.0), (6, 0.16, 4.0), (4, 0.75, 2.0), (3, 0.4, 1.0)]
+)
+def test_equal_service_waits_as_often_and_as_long_as_a_simulated_fcfs_queue(
+    servers: int, rho: float, ca2: float
+) -> None:
+    wait = gid_wait(arrival_rate_rps=rho * servers, service_s=1.0, servers=servers, ca2=ca2)
+    p_sim, mean_sim, half_width = _simulate_gid_c(
+        servers=servers, rho=rho, ca2=ca2, arrivals=200_000, seed=17
+    )
+    assert wait.wait_probability == pytest.approx(p_sim, rel=0.06, abs=2e-3)
+    assert abs(wait.mean_wait_s - mean_sim) <= half_width + 1e-3
+
+
+def test_bursts_on_equal_servers_wait_more_often_than_on_exponential_ones() -> None:
+    # Equal service times free no worker early, so a burst larger than the idle
+    # workers waits in full; exponential ones free one at once.
+    kwargs = {"arrival_rate_rps": 8 * 0.12, "servers": 8}
+    equal = gid_wait(service_s=1.0, ca2=4.0, **kwargs)
+    exponential = ggc_wait_tail(mean_service_s=1.0, ca2=4.0, cs2=1.0, **kwargs)
+    assert equal.wait_probability > 1.8 * exponential.wait_probability
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"arrival_rate_rps": 5.0, "service_s": 1.0, "servers": 4, "ca2": 1.0}, "load"),
+        ({"arrival_rate_rps": 1.0, "service_s": 1.0, "servers": 0, "ca2": 1.0}, "servers"),
+        ({"arrival_rate_rps": 1.0, "service_s": 1.0, "servers": 2, "ca2": -1.0}, "ca2"),
+    ],
+)
+def test_bad_gid_input_is_rejected_naming_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        gid_wait(**kwargs)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,7 +17,9 @@ from queueing.prefill import (
     _FILL_BANDS,
     PrefillModel,
     _fresh_start_wait_s,
+    brief_wait_bands_s,
     mg1_wait_quantile_s,
+    pair_min_share,
     prefill_service_s,
     quantile_of_sum,
     survival_of_sum,
@@ -312,3 +317,79 @@ def test_a_prompt_that_waits_briefly_shares_its_iteration_as_a_simulated_queue_p
     for b in range(len(bands) - 1):
         chunk = simulated[edges[b] : edges[b + 1]]
         assert fills[b] == pytest.approx(float(chunk.mean()), abs=tolerance), (b, fills)
+
+
+@pytest.mark.parametrize(
+    ("draw", "kappa"),
+    [
+        (lambda rng, n: rng.exponential(1.0, n), 0.5),
+        (lambda rng, n: rng.uniform(0.0, 1.0, n), 2.0 / 3.0),
+        (lambda rng, n: np.full(n, 0.3), 1.0),
+    ],
+)
+def test_kappa_is_a_half_for_exponential_times_two_thirds_for_uniform_and_one_for_equal(
+    draw: Callable[[np.random.Generator, int], np.ndarray], kappa: float
+) -> None:
+    # E[min(S1, S2)] / E[S]: 1/2 / 1 (exponential), 1/3 / 1/2 (uniform), S / S (equal).
+    got = pair_min_share(draw(np.random.default_rng(3), 200_000))
+    assert got == pytest.approx(kappa, abs=0.01)
+
+
+@pytest.mark.parametrize(("theta_per_s", "others_per_s"), [(1e-3, 0.0), (40.0, 0.0), (40.0, 60.0)])
+def test_the_brief_waits_bands_hold_its_mean_and_the_band_means_of_a_monte_carlo(
+    theta_per_s: float, others_per_s: float
+) -> None:
+    # The brief wait: the end X D of the iteration in progress, X of density
+    # proportional to 1 - e^(-theta D x) on [0, 1], unless another worker's boundary,
+    # Exp(others), comes first.
+    iteration_s = 0.05
+    bands = brief_wait_bands_s(theta_per_s, iteration_s, others_per_s)
+    _, mean_s = _fresh_start_wait_s(theta_per_s, iteration_s, others_per_s)
+    masses = np.diff(_FILL_BANDS)
+    assert float((bands * masses).sum()) == pytest.approx(mean_s, rel=2e-3)
+    assert np.all(np.diff(bands) > 0)
+    rng = np.random.default_rng(9)
+    n = 400_000
+    a = theta_per_s * iteration_s
+    x = rng.uniform(0.0, 1.0, 4 * n)
+    x = x[rng.uniform(0.0, 1.0, 4 * n) * -math.expm1(-a) < -np.expm1(-a * x)][:n]
+    wait = np.minimum(x * iteration_s, rng.exponential(1.0 / max(others_per_s, 1e-12), x.size))
+    ordered = np.sort(wait)
+    cuts = (np.array(_FILL_BANDS) * ordered.size).astype(int)
+    simulated = np.array([ordered[lo:hi].mean() for lo, hi in itertools.pairwise(cuts)])
+    assert bands == pytest.approx(simulated, rel=0.01, abs=2e-4)
+
+
+def _equal_prompts(tokens: int) -> LengthSamples:
+    return LengthSamples(
+        prompt_tokens=np.full(2000, tokens, dtype=np.int64),
+        output_tokens=np.full(2000, 100, dtype=np.int64),
+        source="equal",
+    )
+
+
+@pytest.mark.parametrize(("workers", "rho"), [(8, 0.12), (6, 0.16), (4, 0.3)])
+def test_bursts_of_alike_prompts_wait_as_often_as_a_simulated_pool_of_equal_service(
+    profile: IterationProfile, workers: int, rho: float
+) -> None:
+    # One-chunk prompts of one length: a worker serves each alone for S, so the pool
+    # is GI/D/N, where a burst finds its own earlier members busy and none frees
+    # early; GI/M/N's chance of waiting is half the simulated one here.
+    model = PrefillModel.build(_equal_prompts(1500), profile, token_budget=2048)
+    rate = rho * workers / model.mean_service_s
+    rng = np.random.default_rng(21)
+    n = 300_000
+    starts = np.cumsum(rng.gamma(0.25, 4.0 / rate, n))  # Gamma gaps of SCV 4
+    free_at = [0.0] * workers
+    waited = np.empty(n, dtype=bool)
+    for i, t in enumerate(starts):
+        start = max(heapq.heappop(free_at), t)
+        waited[i] = start > t
+        heapq.heappush(free_at, start + model.mean_service_s)
+    simulated = float(waited[n // 10 :].mean())
+    tail = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=4.0)
+    assert tail.wait_probability == pytest.approx(simulated, rel=0.12)
+    # Poisson arrivals keep the two-rate chain's answer: the factor is 1 at ca2 = 1.
+    poisson = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=1.0)
+    exponential = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=1.0 + 1e-9)
+    assert exponential.wait_probability == pytest.approx(poisson.wait_probability, rel=1e-6)
