@@ -106,6 +106,7 @@ _FILL_BANDS = (0.0, 0.5, 0.75, 0.9, 0.96, 0.99, 1.0)
 _BAND_LO = np.array(_FILL_BANDS[:-1])[:, None]
 _BAND_HI = np.array(_FILL_BANDS[1:])[:, None]
 _BAND_MASS = np.diff(_FILL_BANDS)
+_FIRST_BAND = np.eye(1, len(_BAND_MASS))[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -748,7 +749,10 @@ class PrefillModel:
         # A multi-chunk class keeps the mean fill in every fill band.
         fills = np.where(co.one_chunk, band_fills, pw * self.fresh_fill_s)
         band_values = (self.service_s + fills)[None, :, :] + wait_bands[:, None, None]
-        band_mass = _BAND_MASS[:, None, None] * _BAND_MASS[None, :, None]
+        # A multi-chunk class's fill bands hold one value, so its mass goes to the
+        # first (the others, empty, are left out before the sort).
+        fill_mass = np.where(co.one_chunk, _BAND_MASS[:, None], _FIRST_BAND[:, None])
+        band_mass = _BAND_MASS[:, None, None] * fill_mass[None, :, :]
         values = np.concatenate(
             [
                 self.service_s,
