@@ -340,18 +340,16 @@ def probe_departures(*, seed: int, cases: int, index: int, requests: int) -> Non
     )
 
 
-def probe_wait(*, seed: int, cases: int, index: int, requests: int) -> None:
-    """One drawn case's probability of waiting: the share of arrivals that find no
-    idle prefill worker in the simulator (one run of ``requests``, its first 5 %
-    left out), against the model's P_w."""
+def _simulated_waiting(
+    case: Case, samples: LengthSamples, model: CapacityModel, *, rate: float, workers: int,
+    requests: int,
+) -> tuple[float, float]:  # fmt: skip
+    """One run of ``requests`` at ``workers`` prefill workers, its first 5 % left out:
+    (the share of arrivals that find no idle prefill worker, the P99 TTFT)."""
     import sim.cluster
 
-    case, samples = _drawn_case(seed=seed, cases=cases, index=index)
-    model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
-    n = case.prefill_workers
-    rate = case.utilisation * n / model.prefill.mean_service_s
     config = ClusterConfig(
-        prefill_workers=n,
+        prefill_workers=workers,
         decode_workers=decode_workers_for(model, rate, case.ca2, case.utilisation),
         profile=case.profile,
         token_budget=model.token_budget,
@@ -374,12 +372,38 @@ def probe_wait(*, seed: int, cases: int, index: int, requests: int) -> None:
         on_arrival(r)
 
     cluster._on_arrival = recording  # type: ignore[method-assign]
-    cluster.run()
+    results = cluster.run()
     shares = [busy for t, busy in found if t >= 0.05 * duration_s]
-    tail = model.prefill.wait_tail(workers=n, arrival_rate_rps=rate, ca2=case.ca2)
+    steady = trace.arrival_s >= 0.05 * duration_s
+    return sum(shares) / len(shares), float(np.nanquantile(results.ttft_s[steady], 0.99))
+
+
+def probe_wait(
+    *, seed: int, cases: int, index: int, requests: int, workers: Sequence[int] | None = None
+) -> None:
+    """One drawn case's probability of waiting: the share of arrivals that find no
+    idle prefill worker in the simulator (one run of ``requests``, its first 5 %
+    left out), against the model's P_w, and the run's P99 TTFT against the model's;
+    at the case's own prefill pool or at each of ``workers``."""
+    case, samples = _drawn_case(seed=seed, cases=cases, index=index)
+    model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
+    rate = case.utilisation * case.prefill_workers / model.prefill.mean_service_s
     print(
-        f"seed {seed} case {index}: {case.label}, {case.profile.name}, N {n}, "
-        f"ca2 {case.ca2:g}, u {case.utilisation:.2f}: arrivals finding no idle prefill "
-        f"worker {sum(shares) / len(shares):.3f} simulated, P_w {tail.wait_probability:.3f} "
-        "model"
+        f"seed {seed} case {index}: {case.label}, {case.profile.name}, "
+        f"ca2 {case.ca2:g}, {rate:.4g} req/s (u {case.utilisation:.2f} on "
+        f"{case.prefill_workers} workers)"
     )
+    for n in workers or [case.prefill_workers]:
+        share, p99_s = _simulated_waiting(
+            case, samples, model, rate=rate, workers=n, requests=requests
+        )
+        tail = model.prefill.wait_tail(workers=n, arrival_rate_rps=rate, ca2=case.ca2)
+        predicted_s = model.prefill.ttft_quantile_s(
+            workers=n, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
+        )
+        print(
+            f"  N {n}: arrivals finding no idle prefill worker {share:.3f} simulated, "
+            f"P_w {tail.wait_probability:.3f} model; P99 TTFT {p99_s:.4f} s simulated, "
+            f"{predicted_s:.4f} s model",
+            flush=True,
+        )

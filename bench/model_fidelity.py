@@ -185,6 +185,12 @@ def main() -> None:
         help="--random: case INDEX's probability of waiting, simulated and modelled",
     )
     parser.add_argument(
+        "--workers",
+        type=lambda text: [int(i) for i in text.split(",")],
+        metavar="N,M,...",
+        help="--probe-wait: the prefill pool sizes to probe (default: the case's own)",
+    )
+    parser.add_argument(
         "--probe-departures",
         type=int,
         metavar="INDEX",
@@ -210,7 +216,7 @@ def main() -> None:
                 seed=args.seed, cases=cases, index=index, requests=40_000
             ),
             "probe_wait": lambda index: fidelity_random.probe_wait(
-                seed=args.seed, cases=cases, index=index, requests=20_000
+                seed=args.seed, cases=cases, index=index, requests=20_000, workers=args.workers
             ),
         }
         for option, probe in probes.items():
