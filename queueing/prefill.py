@@ -593,6 +593,12 @@ class PrefillModel:
         )
         return WaitTail(wait_probability=p_wait, decay_rate_per_s=stream.decay_rate_per_s)
 
+    @property
+    def _synchrony_weight(self) -> float:
+        """w = 2 kappa - 1 in [0, 1]: how far the solo times are from exponential
+        (0) towards equal (1), by kappa = E[min(S1, S2)] / E[S] (``_burst_factor``)."""
+        return min(1.0, max(0.0, 2.0 * self.pair_min_share - 1.0))
+
     def _burst_factor(
         self, workers: int, arrival_rate_rps: float, alone_s: float, ca2: float
     ) -> float:
@@ -617,7 +623,7 @@ class PrefillModel:
         GI/D/N over GI/M/N ratio is the same on one server at the same load, so it
         is the service's shape, which the rate already carries, not the burst's.
         """
-        weight = min(1.0, max(0.0, 2.0 * self.pair_min_share - 1.0))
+        weight = self._synchrony_weight
         if weight == 0.0 or ca2 == 1.0:
             return 1.0
         key = (workers, arrival_rate_rps, alone_s, ca2)
@@ -700,7 +706,17 @@ class PrefillModel:
         pw = tail.wait_probability
         theta = tail.decay_rate_per_s
         # The other busy workers' boundaries with budget to spare, E[min(n, 2)] per S.
-        others_per_s = (workers - 1) * self.spare_boundaries / self.mean_service_s
+        # Workers that a burst started together reach them together: with alike
+        # solo times they come in clusters of about ca2 (the arrival counts' index
+        # of dispersion), so as a stream of independent boundaries they are ca2
+        # times fewer (``_synchrony_weight``; none fewer for exponential times, whose
+        # residuals forget when they started).
+        others_per_s = (
+            (workers - 1)
+            * self.spare_boundaries
+            / self.mean_service_s
+            / ca2**self._synchrony_weight
+        )
         share, _ = _fresh_start_wait_s(theta, self.iteration_s, others_per_s)
         # A prompt that waits briefly waits for the iteration in progress to end. That
         # iteration is full (D) when work was queued at its start, which happens with
