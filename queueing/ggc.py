@@ -182,8 +182,11 @@ def gid_wait(*, arrival_rate_rps: float, service_s: float, servers: int, ca2: fl
     rho = arrival_rate_rps * service_s / servers
     if not (0.0 < rho < 1.0):
         raise ValueError(f"arrival_rate_rps: load {rho:.6g} per server must be in (0, 1)")
-    if not (math.isfinite(ca2) and ca2 > 0.0):
-        raise ValueError(f"ca2: must be a finite number > 0, got {ca2!r}")
+    if not (math.isfinite(ca2) and ca2 >= 0.0):
+        raise ValueError(f"ca2: must be a finite number >= 0, got {ca2!r}")
+    if ca2 == 0.0:
+        # Evenly spaced arrivals: customer n - c left D <= c / lambda after it came.
+        return GidWait(wait_probability=0.0, mean_wait_s=0.0)
     shape = servers / ca2
     x = arrival_rate_rps * service_s / ca2
     gap_s = servers / arrival_rate_rps

@@ -710,12 +710,14 @@ class PrefillModel:
         # solo times they come in clusters of about ca2 (the arrival counts' index
         # of dispersion), so as a stream of independent boundaries they are ca2
         # times fewer (``_synchrony_weight``; none fewer for exponential times, whose
-        # residuals forget when they started).
+        # residuals forget when they started). Arrivals smoother than Poisson are
+        # taken as Poisson here: they bring no clusters, and a wait left as long is
+        # the safe side.
         others_per_s = (
             (workers - 1)
             * self.spare_boundaries
             / self.mean_service_s
-            / ca2**self._synchrony_weight
+            / max(1.0, ca2) ** self._synchrony_weight
         )
         share, _ = _fresh_start_wait_s(theta, self.iteration_s, others_per_s)
         # A prompt that waits briefly waits for the iteration in progress to end. That

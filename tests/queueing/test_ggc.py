@@ -181,6 +181,13 @@ def test_equal_service_waits_as_often_and_as_long_as_a_simulated_fcfs_queue(
     assert abs(wait.mean_wait_s - mean_sim) <= half_width + 1e-3
 
 
+@pytest.mark.parametrize("ca2", [0.0, 1e-9])
+def test_evenly_spaced_arrivals_below_saturation_never_wait_for_equal_service(ca2: float) -> None:
+    wait = gid_wait(arrival_rate_rps=7.9, service_s=1.0, servers=8, ca2=ca2)
+    assert wait.wait_probability == 0.0
+    assert wait.mean_wait_s == 0.0
+
+
 def test_bursts_on_equal_servers_wait_more_often_than_on_exponential_ones() -> None:
     # Equal service times free no worker early, so a burst larger than the idle
     # workers waits in full; exponential ones free one at once.

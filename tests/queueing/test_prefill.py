@@ -393,3 +393,14 @@ def test_bursts_of_alike_prompts_wait_as_often_as_a_simulated_pool_of_equal_serv
     poisson = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=1.0)
     exponential = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=1.0 + 1e-9)
     assert exponential.wait_probability == pytest.approx(poisson.wait_probability, rel=1e-6)
+
+
+@pytest.mark.parametrize("ca2", [0.0, 0.5])
+def test_arrivals_smoother_than_poisson_wait_no_longer_than_poisson_ones(
+    profile: IterationProfile, ca2: float
+) -> None:
+    model = PrefillModel.build(_equal_prompts(1500), profile, token_budget=2048)
+    kwargs = {"workers": 4, "arrival_rate_rps": 0.6 * 4 / model.mean_service_s, "quantile": 0.99}
+    smooth = model.ttft_quantile_s(ca2=ca2, **kwargs)
+    assert math.isfinite(smooth)
+    assert smooth <= model.ttft_quantile_s(ca2=1.0, **kwargs)
