@@ -18,7 +18,10 @@ Stability needs lambda * E[S_packed] < N.
 
 The wait is that of a G/G/N queue (``queueing.ggc.ggc_wait_tail``) in this token
 stream: P_w from the busy time per prompt (between packed and solo), the
-exponential tail's rate theta from the packed times (mean and SCV). Call it W_f, the
+exponential tail's rate theta from the packed times (mean and SCV). Bursts on workers
+of alike solo times wait more often than GI/M/N says, as none of the workers a burst
+started frees early: P_w takes the exact GI/D/N ratio for that (``_burst_factor``,
+``queueing.ggc.gid_wait``), at the weight of the solo times' regularity. Call it W_f, the
 time until the workers' streams reach the prompt. The iteration holding that point
 started V earlier, V uniform on [0, D) (the stream's offset within an iteration):
 
@@ -28,8 +31,10 @@ started V earlier, V uniform on [0, D) (the stream's offset within an iteration)
   full iterations, o = V tau / D tokens ahead of it;
 * W_f < V: it arrived while that iteration was running and is admitted at its end
   or, sooner, at another busy worker's boundary with budget to spare — after less
-  than an iteration (``_fresh_start_wait_s``); then it starts a fresh iteration, or
-  rides in another prompt's last chunk when that boundary was a last chunk's start.
+  than an iteration (``_fresh_start_wait_s``, spread over its bands by
+  ``brief_wait_bands_s``; the boundaries of workers a burst started together come
+  together); then it starts a fresh iteration, or rides in another prompt's last
+  chunk when that boundary was a last chunk's start.
 
 The last iteration of a prompt is filled by queued work, when there is any: for a
 prompt admitted into the stream, whenever one arrived during its wait (probability
