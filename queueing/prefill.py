@@ -114,6 +114,16 @@ _BAND_MASS = np.diff(_FILL_BANDS)
 _FIRST_BAND = np.eye(1, len(_BAND_MASS))[0]
 
 
+def _band_shares(cdf: FloatArray, below: FloatArray) -> FloatArray:
+    """Each cell's probability inside each band (rows: bands, which cut the quantile
+    axis; columns: cells, ``below`` and ``cdf`` their distribution function at their
+    two ends)."""
+    shares: FloatArray = np.clip(
+        np.minimum(cdf[None, :], _BAND_HI) - np.maximum(below[None, :], _BAND_LO), 0.0, None
+    )
+    return shares
+
+
 @dataclass(frozen=True, kw_only=True)
 class _CoPacking:
     """The prompts a worker takes at one boundary beside a prompt that waited briefly.
@@ -189,8 +199,7 @@ class _CoPacking:
         cdf = np.cumsum(total)
         below = cdf - total
         lo, hi = _BAND_LO, _BAND_HI
-        # Each cell's probability inside each band (the bands cut the quantile axis).
-        inside = np.clip(np.minimum(cdf[None, :], hi) - np.maximum(below[None, :], lo), 0.0, None)
+        inside = _band_shares(cdf, below)
         # E[min(S, l); band] = (sum of p v over cells below l) + l (mass at or above l),
         # from running sums over the cells (the cells' values ascend).
         mass_below = np.cumsum(inside, axis=1)
@@ -374,9 +383,7 @@ def brief_wait_bands_s(
     cdf = 1.0 - survival[1:]
     below = 1.0 - survival[:-1]
     mid_s = 0.5 * (x[1:] + x[:-1]) * iteration_s
-    # Each grid cell's probability inside each band (the bands cut the quantile axis).
-    inside = np.clip(np.minimum(cdf, _BAND_HI) - np.maximum(below, _BAND_LO), 0.0, None)
-    result: FloatArray = (inside * mid_s).sum(axis=1) / _BAND_MASS
+    result: FloatArray = (_band_shares(cdf, below) * mid_s).sum(axis=1) / _BAND_MASS
     return result
 
 
@@ -455,7 +462,7 @@ class PrefillModel:
     _floors: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
     # The exact one-worker P99 wait by arrival rate: a solve asks for it more than once.
     _exact_waits: dict[float, float | None] = field(default_factory=dict, repr=False, compare=False)
-    _burst_factors: dict[tuple[int, float, float, float], float] = field(
+    _burst_factors: dict[tuple[int, float, float], float] = field(
         default_factory=dict, repr=False, compare=False
     )
 
@@ -631,7 +638,7 @@ class PrefillModel:
         weight = self._synchrony_weight
         if weight == 0.0 or ca2 == 1.0:
             return 1.0
-        key = (workers, arrival_rate_rps, alone_s, ca2)
+        key = (workers, arrival_rate_rps, ca2)  # alone_s follows from the first two
         if key not in self._burst_factors:
             if len(self._burst_factors) >= _EXACT_WAITS_KEPT:
                 self._burst_factors.clear()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 import math
 
 import numpy as np
@@ -17,6 +16,7 @@ from queueing.ggc import (
     ggc_wait_tail,
     gid_wait,
 )
+from tests.queueing.equal_service import simulate_equal_service
 
 
 @pytest.mark.parametrize(("servers", "rho"), [(1, 0.5), (4, 0.8), (50, 0.9), (2000, 0.97)])
@@ -138,26 +138,6 @@ def test_the_arrival_transform_is_the_chance_a_gap_ends_before_an_exponential_cl
         assert expected == pytest.approx(lam / (lam + s), rel=1e-12)
 
 
-def _simulate_gid_c(
-    *, servers: int, rho: float, ca2: float, arrivals: int, seed: int
-) -> tuple[float, float, float]:
-    """FCFS at c servers of unit service, Gamma arrivals: (P(wait), mean wait, the
-    mean wait's 95 % half-width from 20 batch means), the first tenth left out."""
-    rng = np.random.default_rng(seed)
-    shape = 1.0 / ca2
-    starts = np.cumsum(rng.gamma(shape, 1.0 / (rho * servers * shape), arrivals))
-    free_at = [0.0] * servers
-    waits = np.empty(arrivals)
-    for i, t in enumerate(starts):
-        start = max(heapq.heappop(free_at), t)
-        waits[i] = start - t
-        heapq.heappush(free_at, start + 1.0)
-    kept = waits[arrivals // 10 :]
-    batches = np.array([b.mean() for b in np.array_split(kept, 20)])
-    half_width = 2.09 * float(batches.std(ddof=1)) / math.sqrt(20)
-    return float((kept > 0).mean()), float(kept.mean()), half_width
-
-
 @pytest.mark.parametrize(("servers", "rho"), [(1, 0.5), (1, 0.9)])
 def test_equal_service_with_poisson_arrivals_on_one_server_is_pollaczek_khinchine(
     servers: int, rho: float
@@ -174,7 +154,7 @@ def test_equal_service_waits_as_often_and_as_long_as_a_simulated_fcfs_queue(
     servers: int, rho: float, ca2: float
 ) -> None:
     wait = gid_wait(arrival_rate_rps=rho * servers, service_s=1.0, servers=servers, ca2=ca2)
-    p_sim, mean_sim, half_width = _simulate_gid_c(
+    p_sim, mean_sim, half_width = simulate_equal_service(
         servers=servers, rho=rho, ca2=ca2, arrivals=200_000, seed=17
     )
     assert wait.wait_probability == pytest.approx(p_sim, rel=0.06, abs=2e-3)
