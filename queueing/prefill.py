@@ -107,6 +107,8 @@ class _StreamTerms:
 # fills stand for it (finer towards the tail, where the P99 of those who wait lies).
 _FILL_CELLS = 256
 _MAX_CO_PACKED = 512
+# The most prompts one boundary's group is followed to (for the rank of a prompt in it).
+_MAX_GROUP = 100_000
 _FILL_BANDS = (0.0, 0.5, 0.75, 0.9, 0.96, 0.99, 1.0)
 _BAND_LO = np.array(_FILL_BANDS[:-1])[:, None]
 _BAND_HI = np.array(_FILL_BANDS[1:])[:, None]
@@ -149,6 +151,7 @@ class _CoPacking:
     cell_s: FloatArray
     sums: FloatArray  # (k + 1 prompts summed, _FILL_CELLS + 1 cells)
     one_chunk: npt.NDArray[np.bool_]  # per class: every prompt runs in one chunk
+    t0_s: float  # an iteration's fixed cost, which a split prompt pays twice
 
     @classmethod
     def build(
@@ -168,14 +171,17 @@ class _CoPacking:
             cell_s=profile.t_tok_s * cell_tokens * np.arange(_FILL_CELLS + 1, dtype=np.float64),
             sums=np.array(rows),
             one_chunk=strata.means((lengths <= tau).astype(np.float64)) >= 1.0,
+            t0_s=profile.t0_s,
         )
 
-    def band_fills_s(
+    def fills(
         self, *, boundary_rate_per_s: float, boundary_scv: float, arrival_rate_rps: float,
-        ca2: float, leftover_s: FloatArray,
-    ) -> FloatArray:  # fmt: skip
-        """Per band of ``_FILL_BANDS`` (rows) and class (columns): the mean seconds the
-        co-packed prompts add to the iteration, capped at ``leftover_s``.
+        ca2: float, leftover_s: FloatArray, queued_at_boundary: float,
+    ) -> CoPackedFills:  # fmt: skip
+        """What the prompts taken at the same boundary do to each class's prompt
+        that waited briefly (``CoPackedFills``), ``leftover_s`` the seconds of budget
+        its chunk leaves, ``queued_at_boundary`` the chance that a boundary finds
+        work queued.
 
         The boundaries' gaps have SCV ``boundary_scv``: as Gamma gaps of shape
         k = 1 / SCV, the gap holding an arrival is length-biased, Gamma of shape k + 1,
@@ -184,18 +190,74 @@ class _CoPacking:
         any boundaries, for Poisson arrivals (K mixed Poisson over the biased gap); for
         one worker of regular iterations it tends to Poisson(lambda / beta), half the
         exponential clocks' mean.
+
+        The worker takes them in arrival order, so the prompt's own rank among the
+        K + 1 is uniform (the arrivals in a gap are exchangeable): the j ahead of it
+        take their tokens first, and when they leave some of the budget but less
+        than the prompt needs it is split, the rest of it in the next iteration (when
+        they leave none, it stays queued for the next boundary and starts fresh).
         """
         shape = 1.0 / max(boundary_scv, 1e-3)
         q = arrival_transform(
             shape * boundary_rate_per_s, arrival_rate_rps=arrival_rate_rps, ca2=ca2
         )
-        # P(K = k) = C(k + r - 1, k) (1 - q)^r q^k, by its ratio q (k - 1 + r) / k.
+        # P(K = k) = C(k + r - 1, k) (1 - q)^r q^k, by its ratio q (k - 1 + r) / k,
+        # out to 40 standard deviations beyond its mean: a prompt with few ahead may
+        # sit in a group of many, whose sum is past the summed rows.
         r = shape + 1.0
-        k = np.arange(1, len(self.sums), dtype=np.float64)
+        rows = len(self.sums)
+        spread = math.sqrt(r * q) / (1.0 - q)
+        terms = max(rows, min(_MAX_GROUP, math.ceil(r * q / (1.0 - q) + 40.0 * spread)))
+        k = np.arange(1, terms, dtype=np.float64)
         ratios = np.concatenate([[1.0], q * (k - 1.0 + r) / k])
-        counts = (1.0 - q) ** r * np.cumprod(ratios)
+        group = (1.0 - q) ** r * np.cumprod(ratios)
+        counts = group[:rows]
         total = counts @ self.sums
         total[-1] += max(0.0, 1.0 - float(counts.sum()))  # more prompts than summed: full
+        # The j prompts ahead, j uniform on 0..K: P(j) = sum over k >= j of P(K = k) / (k + 1).
+        ranks = np.cumsum((group / np.arange(1, terms + 1))[::-1])[::-1][:rows]
+        ahead = ranks @ self.sums
+        ahead[-1] += max(0.0, 1.0 - float(ranks.sum()))
+        split_share, split_extra_s = self._split(ahead, leftover_s, queued_at_boundary)
+        bands_s, band_mass = self._bands(total, leftover_s, split_share)
+        return CoPackedFills(
+            bands_s=bands_s,
+            band_mass=band_mass,
+            split_share=split_share,
+            split_extra_s=split_extra_s,
+        )
+
+    def _split(
+        self, ahead: FloatArray, leftover_s: FloatArray, queued_at_boundary: float
+    ) -> tuple[FloatArray, FloatArray]:
+        """Per class, P(the tokens ahead exceed what the prompt's chunk leaves but not
+        the budget) and the mean time the split then adds to running alone: one more
+        iteration's t0, the tokens ahead, and the fill of its second iteration. The
+        prompts behind it are taken by other boundaries while its first iteration
+        runs, so that iteration is filled only when its own boundary finds work
+        queued, by a queue taken to be like the prompts ahead."""
+        cells = self.cell_s
+        # The last cell holds every total at or beyond the budget: no room for a chunk.
+        beyond = (cells[None, :] > leftover_s[:, None]) & (cells[None, :] < cells[-1])
+        share = beyond.astype(np.float64) @ ahead
+        ahead_s = np.divide(
+            (beyond * cells[None, :]) @ ahead, share, out=np.zeros_like(share), where=share > 0.0
+        )
+        # Seconds of budget its second iteration leaves: two budgets less the tokens
+        # ahead and its own.
+        room_s = np.maximum(leftover_s + cells[-1] - ahead_s, 0.0)
+        second_fill_s = queued_at_boundary * (np.minimum(cells[None, :], room_s[:, None]) @ ahead)
+        extra: FloatArray = self.t0_s + ahead_s + second_fill_s
+        result_share: FloatArray = np.where(self.one_chunk, share, 0.0)
+        return result_share, extra
+
+    def _bands(
+        self, total: FloatArray, leftover_s: FloatArray, split_share: FloatArray
+    ) -> tuple[FloatArray, FloatArray]:
+        """Per band of ``_FILL_BANDS`` (rows) and class (columns): the mean seconds the
+        co-packed prompts add to the iteration, capped at ``leftover_s``, over the
+        band's quantiles below 1 - ``split_share`` (above it the iteration is full and
+        the prompt split, ``_split``), and the probability those quantiles hold."""
         cdf = np.cumsum(total)
         below = cdf - total
         lo, hi = _BAND_LO, _BAND_HI
@@ -208,8 +270,29 @@ class _CoPacking:
         zero = np.zeros((len(lo), 1))
         below_mass = np.concatenate([zero, mass_below], axis=1)[:, cut]
         below_value = np.concatenate([zero, value_below], axis=1)[:, cut]
-        result: FloatArray = (below_value + leftover_s * (hi - lo - below_mass)) / (hi - lo)
-        return result
+        band_total = below_value + leftover_s * (hi - lo - below_mass)
+        # The split quantiles sit at the cap (a split needs the tokens ahead alone to
+        # pass it), so leaving them out takes the cap's value off the band.
+        split_part = np.clip(hi - np.maximum(lo, 1.0 - split_share[None, :]), 0.0, hi - lo)
+        kept = (hi - lo) - split_part
+        bands_s: FloatArray = np.divide(
+            band_total - leftover_s * split_part,
+            kept,
+            out=np.broadcast_to(leftover_s, kept.shape).copy(),
+            where=kept > 1e-15,
+        )
+        return bands_s, kept
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoPackedFills:
+    """What the prompts a worker takes at one boundary do to each class's one-chunk
+    prompt that waited briefly (``_CoPacking.fills``)."""
+
+    bands_s: FloatArray  # (bands, classes): the mean fill within each band, split left out
+    band_mass: FloatArray  # (bands, classes): each band's probability, split left out
+    split_share: FloatArray  # per class: P(the prompts ahead leave less than it needs)
+    split_extra_s: FloatArray  # per class: the mean time a split adds to running alone
 
 
 def _weighted_means(strata: Strata, values: FloatArray, weights: FloatArray) -> FloatArray:
@@ -759,30 +842,35 @@ class PrefillModel:
         # a Poisson stream's over many (the superposition's SCV, as Whitt's QNA
         # merges streams: 1 + (c_s^2 - 1) / N).
         co = self.co_packing
-        band_fills = co.band_fills_s(
+        co_packed = co.fills(
             boundary_rate_per_s=workers * self.spare_boundaries / self.mean_service_s,
             boundary_scv=1.0 + (self.service_scv - 1.0) / workers,
             arrival_rate_rps=arrival_rate_rps,
             ca2=ca2,
             leftover_s=self.fresh_fill_s,
+            queued_at_boundary=filled,
         )
         # A prompt that waited briefly: its wait by band (``brief_wait_bands_s``) and,
         # independently, the co-packed prompts' fill by band, one group per pair (the
         # fill counts the prompts that arrived before the boundary as well as during
         # the wait, so the two are nearly independent; taking them as comonotone put
-        # a loaded Pareto pool 10 % higher, seed 2026 #17).
+        # a loaded Pareto pool 10 % higher, seed 2026 #17); or, when the prompts ahead
+        # of it at that boundary leave too little of the budget, split over two
+        # iterations (in bursts the queue a boundary takes is long).
         wait_bands = brief_wait_bands_s(theta, in_progress_s, others_per_s)
         w = self.weights
         s = self.stream
         queued = w * pw
         briefly = queued * (1.0 - share)
         # A multi-chunk class keeps the mean fill in every fill band.
-        fills = np.where(co.one_chunk, band_fills, pw * self.fresh_fill_s)
+        fills = np.where(co.one_chunk, co_packed.bands_s, pw * self.fresh_fill_s)
         band_values = (self.service_s + fills)[None, :, :] + wait_bands[:, None, None]
         # A multi-chunk class's fill bands hold one value, so its mass goes to the
         # first (the others, empty, are left out before the sort).
-        fill_mass = np.where(co.one_chunk, _BAND_MASS[:, None], _FIRST_BAND[:, None])
+        fill_mass = np.where(co.one_chunk, co_packed.band_mass, _FIRST_BAND[:, None])
         band_mass = _BAND_MASS[:, None, None] * fill_mass[None, :, :]
+        split_values = (self.service_s + co_packed.split_extra_s)[None, :] + wait_bands[:, None]
+        split_mass = _BAND_MASS[:, None] * co_packed.split_share[None, :]
         values = np.concatenate(
             [
                 self.service_s,
@@ -790,6 +878,7 @@ class PrefillModel:
                 self.service_s + self.fill_short_s,
                 self.service_s + self.fill_pair_s,
                 band_values.ravel(),
+                split_values.ravel(),
                 self.ride_base_s + short_wait_s + pw * self.ride_fill_s,
                 s.one_more_base_s + stream_filled * s.one_more_fill_s,
                 s.two_more_base_s + stream_filled * s.two_more_fill_s,
@@ -802,6 +891,7 @@ class PrefillModel:
                 w * (1.0 - pw) * filled * by_one,
                 w * (1.0 - pw) * filled * by_two,
                 (band_mass * (briefly * (1.0 - rides))).ravel(),
+                (split_mass * (briefly * (1.0 - rides))).ravel(),
                 briefly * rides,
                 np.zeros(2 * len(w)),
             ]

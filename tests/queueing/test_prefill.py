@@ -248,7 +248,7 @@ def test_one_worker_with_a_heavy_tailed_mix_waits_as_its_exact_tail_says_and_con
     assert p99(1.0) < 0.95 * matched
 
 
-def _co_packed_counts(
+def _co_packed_groups(
     rng: np.random.Generator,
     *,
     rate: float,
@@ -256,11 +256,11 @@ def _co_packed_counts(
     boundary_rate: float,
     boundary_scv: float,
     n: int,
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Monte Carlo of what the model derives: Gamma-renewal arrivals and an
     independent renewal stream of boundaries (Gamma gaps), each taking every prompt
     queued since the last; for each arrival, how many others its boundary takes with
-    it."""
+    it, and how many of those arrived before it."""
     gaps = rng.gamma(1.0 / ca2, ca2 / rate, n)
     arrivals = np.cumsum(gaps)
     count = int(n * boundary_rate / rate * 1.2)
@@ -268,9 +268,13 @@ def _co_packed_counts(
     boundaries = np.cumsum(spans)
     taken_at = np.searchsorted(boundaries, arrivals)  # the boundary that takes each arrival
     keep = taken_at < len(boundaries)
-    group_sizes = np.bincount(taken_at[keep])
-    counts: np.ndarray = group_sizes[taken_at[keep]] - 1
-    return counts[n // 10 :]
+    taken_at = taken_at[keep]
+    group_sizes = np.bincount(taken_at)
+    counts: np.ndarray = group_sizes[taken_at] - 1
+    # Arrivals are in time order, so a group's members are consecutive.
+    first_of_group = np.searchsorted(taken_at, taken_at, side="left")
+    ahead: np.ndarray = np.arange(len(taken_at)) - first_of_group
+    return counts[n // 10 :], ahead[n // 10 :]
 
 
 @pytest.mark.parametrize(
@@ -281,25 +285,29 @@ def _co_packed_counts(
 def test_a_prompt_that_waits_briefly_shares_its_iteration_as_a_simulated_queue_packs_it(
     ca2: float, boundary_scv: float
 ) -> None:
-    # Every prompt 200 tokens, a budget of 1000: a waiting prompt's iteration holds
-    # it and min(K, 4) others, K the prompts its boundary takes beside it. The band
+    # Every prompt 250 tokens, a budget of 1000: a waiting prompt's iteration holds
+    # it and min(K, 3) others, K the prompts its boundary takes beside it. The band
     # fills are the band means of that fill over the simulated K (the law is exact
     # for Poisson boundaries, and for Poisson arrivals whatever the boundaries).
-    budget, length = 1000, 200
+    budget, length = 1000, 250
     samples = LengthSamples(
         prompt_tokens=np.full(1000, length), output_tokens=np.full(1000, 10), source="test"
     )
     model = PrefillModel.build(samples, TEST_8B, token_budget=budget)
     rate, boundary_rate = 40.0, 60.0
     leftover_s = model.fresh_fill_s
-    fills = model.co_packing.band_fills_s(
+    co_packed = model.co_packing.fills(
         boundary_rate_per_s=boundary_rate,
         boundary_scv=boundary_scv,
         arrival_rate_rps=rate,
         ca2=ca2,
         leftover_s=leftover_s,
-    )[:, 0]
-    counts = _co_packed_counts(
+        queued_at_boundary=1.0,
+    )
+    # Five prompts ahead fill the budget whole, so the prompt is never split.
+    assert co_packed.split_share[0] == 0.0
+    fills = co_packed.bands_s[:, 0]
+    counts, _ = _co_packed_groups(
         np.random.default_rng(3),
         rate=rate,
         ca2=ca2,
@@ -317,6 +325,46 @@ def test_a_prompt_that_waits_briefly_shares_its_iteration_as_a_simulated_queue_p
     for b in range(len(bands) - 1):
         chunk = simulated[edges[b] : edges[b + 1]]
         assert fills[b] == pytest.approx(float(chunk.mean()), abs=tolerance), (b, fills)
+
+
+@pytest.mark.parametrize("ca2", [1.0, 4.0], ids=["poisson-arrivals", "clustered-arrivals"])
+def test_a_prompt_is_split_when_the_prompts_ahead_leave_some_budget_but_too_little(
+    ca2: float,
+) -> None:
+    # Every prompt 300 tokens, a budget of 1000: with three prompts ahead (900 tokens)
+    # only 100 are left and the prompt runs over two iterations; with four or more
+    # ahead nothing is left and it waits for the next boundary whole. So the split
+    # share is the chance of exactly three ahead, and the split adds t0, the 900
+    # tokens ahead and, when its second boundary finds work queued, the fill of its
+    # second iteration (800 tokens of room) by a queue like the prompts ahead.
+    budget, length = 1000, 300
+    samples = LengthSamples(
+        prompt_tokens=np.full(1000, length), output_tokens=np.full(1000, 10), source="test"
+    )
+    model = PrefillModel.build(samples, TEST_8B, token_budget=budget)
+    rate, boundary_rate, queued = 40.0, 60.0, 0.4
+    co_packed = model.co_packing.fills(
+        boundary_rate_per_s=boundary_rate,
+        boundary_scv=1.0,
+        arrival_rate_rps=rate,
+        ca2=ca2,
+        leftover_s=model.fresh_fill_s,
+        queued_at_boundary=queued,
+    )
+    _, ahead = _co_packed_groups(
+        np.random.default_rng(5),
+        rate=rate,
+        ca2=ca2,
+        boundary_rate=boundary_rate,
+        boundary_scv=1.0,
+        n=400_000,
+    )
+    split = float(np.mean(ahead == 3))
+    assert co_packed.split_share[0] == pytest.approx(split, abs=0.004)
+    assert co_packed.band_mass[:, 0].sum() == pytest.approx(1.0 - co_packed.split_share[0])
+    queue_tokens = np.minimum(ahead * length, 800)
+    expected_s = TEST_8B.t0_s + TEST_8B.t_tok_s * (900 + queued * float(queue_tokens.mean()))
+    assert co_packed.split_extra_s[0] == pytest.approx(expected_s, rel=0.01)
 
 
 @pytest.mark.parametrize(
