@@ -237,16 +237,22 @@ class _CoPacking:
         runs, so that iteration is filled only when its own boundary finds work
         queued, by a queue taken to be like the prompts ahead."""
         cells = self.cell_s
-        # The last cell holds every total at or beyond the budget: no room for a chunk.
-        beyond = (cells[None, :] > leftover_s[:, None]) & (cells[None, :] < cells[-1])
-        share = beyond.astype(np.float64) @ ahead
+        # Running sums over the cells (their values ascend) give each class's sums
+        # over the cells above its leftover and below the last, which holds every
+        # total at or beyond the budget (no room for a chunk there).
+        mass = np.concatenate([[0.0], np.cumsum(ahead)])
+        value = np.concatenate([[0.0], np.cumsum(ahead * cells)])
+        first = np.searchsorted(cells, leftover_s, side="right")  # first cell above it
+        last = len(cells) - 1
+        share = np.maximum(mass[last] - mass[first], 0.0)
         ahead_s = np.divide(
-            (beyond * cells[None, :]) @ ahead, share, out=np.zeros_like(share), where=share > 0.0
+            value[last] - value[first], share, out=np.zeros_like(share), where=share > 1e-15
         )
         # Seconds of budget its second iteration leaves: two budgets less the tokens
-        # ahead and its own.
+        # ahead and its own; E[min(X, room)] = (sum of p v below room) + room P(X >= room).
         room_s = np.maximum(leftover_s + cells[-1] - ahead_s, 0.0)
-        second_fill_s = queued_at_boundary * (np.minimum(cells[None, :], room_s[:, None]) @ ahead)
+        cut = np.searchsorted(cells, room_s, side="left")
+        second_fill_s = queued_at_boundary * (value[cut] + room_s * (mass[-1] - mass[cut]))
         extra: FloatArray = self.t0_s + ahead_s + second_fill_s
         result_share: FloatArray = np.where(self.one_chunk, share, 0.0)
         return result_share, extra
