@@ -46,8 +46,11 @@ shares its iteration with the prompts taken at the same boundary: those that arr
 since the boundary before it and those that arrive during its wait, K of them
 (``_CoPacking``), so its fill is a distribution, not a mean: with a budget several
 prompts wide, the few waiting prompts packed with two or three others set the P99.
-A multi-chunk prompt's last chunk comes iterations later, when those have gone; its
-fill stays the mean P_w times the budget its last chunk leaves.
+The prompts ahead of it at that boundary take their tokens first; when they leave
+some of the budget but less than it needs, it is split over two iterations (in
+bursts, the source of most of the P99). A multi-chunk prompt's last chunk comes
+iterations later, when those have gone; its fill stays the mean P_w times the
+budget its last chunk leaves.
 
 So TTFT is S (alone), S + fill (alone, last iteration filled), a short wait + S or a
 ride (queued briefly), or W + the stream's iterations (W exponential); the P99 is the
