@@ -209,8 +209,8 @@ class _CoPacking:
         # sit in a group of many, whose sum is past the summed rows.
         r = shape + 1.0
         rows = len(self.sums)
-        spread = math.sqrt(r * q) / (1.0 - q)
-        terms = max(rows, min(_MAX_GROUP, math.ceil(r * q / (1.0 - q) + 40.0 * spread)))
+        gap = max(1.0 - q, 1e-12)
+        terms = max(rows, min(_MAX_GROUP, math.ceil((r * q + 40.0 * math.sqrt(r * q)) / gap)))
         k = np.arange(1, terms, dtype=np.float64)
         ratios = np.concatenate([[1.0], q * (k - 1.0 + r) / k])
         group = (1.0 - q) ** r * np.cumprod(ratios)
