@@ -516,6 +516,12 @@ def lone_iteration_s(
     return float((full_sq + last * last).sum() / (full_sum + last).sum())
 
 
+# TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
+_Atoms = tuple[FloatArray, FloatArray, FloatArray, float]
+# At most this many pool states' atoms are kept per model.
+_ATOM_SETS_KEPT = 8
+
+
 class UnstableQueueError(ValueError):
     """The offered load meets or exceeds the pool's capacity."""
 
@@ -555,6 +561,11 @@ class PrefillModel:
     # The exact one-worker P99 wait by arrival rate: a solve asks for it more than once.
     _exact_waits: dict[float, float | None] = field(default_factory=dict, repr=False, compare=False)
     _burst_factors: dict[tuple[int, float, float], float] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    # The atoms of the last few pool states: a solve checks a pool size and then asks
+    # for the P99 at the same one.
+    _atom_sets: dict[tuple[int, float, float], _Atoms] = field(
         default_factory=dict, repr=False, compare=False
     )
 
@@ -791,9 +802,20 @@ class PrefillModel:
             wait_probability=tail.wait_probability, decay_rate_per_s=tail.decay_rate_per_s * factor
         )
 
-    def _atoms(
-        self, *, workers: int, arrival_rate_rps: float, ca2: float
-    ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
+    def _atoms(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> _Atoms:
+        """``_build_atoms``, kept for the last few pool states (read-only arrays)."""
+        key = (workers, arrival_rate_rps, ca2)
+        atoms = self._atom_sets.get(key)
+        if atoms is None:
+            if len(self._atom_sets) >= _ATOM_SETS_KEPT:
+                self._atom_sets.clear()
+            atoms = self._build_atoms(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
+            for array in atoms[:3]:
+                array.flags.writeable = False
+            self._atom_sets[key] = atoms
+        return atoms
+
+    def _build_atoms(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> _Atoms:
         """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
 
         Groups per class: alone; alone with its last iteration filled by work queued
