@@ -61,7 +61,9 @@ measured error against the simulator are in ``docs/model.md``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -516,6 +518,22 @@ def lone_iteration_s(
     return float((full_sq + last * last).sum() / (full_sum + last).sum())
 
 
+_Key = TypeVar("_Key", bound=Hashable)
+_Value = TypeVar("_Value")
+
+
+def _kept(
+    cache: dict[_Key, _Value], key: _Key, limit: int, compute: Callable[[], _Value]
+) -> _Value:
+    """``cache[key]``, computed on a miss. A full cache is emptied first: a model is
+    asked again for the pool states of the solve in progress, not for old ones."""
+    if key not in cache:
+        if len(cache) >= limit:
+            cache.clear()
+        cache[key] = compute()
+    return cache[key]
+
+
 # TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
 _Atoms = tuple[FloatArray, FloatArray, FloatArray, float]
 # At most this many pool states' atoms are kept per model.
@@ -742,25 +760,26 @@ class PrefillModel:
         if weight == 0.0 or ca2 == 1.0:
             return 1.0
         key = (workers, arrival_rate_rps, ca2)  # alone_s follows from the first two
-        if key not in self._burst_factors:
-            if len(self._burst_factors) >= _EXACT_WAITS_KEPT:
-                self._burst_factors.clear()
 
-            def ratio(scv: float) -> float:
-                equal = gid_wait(
-                    arrival_rate_rps=arrival_rate_rps, service_s=alone_s, servers=workers, ca2=scv
-                ).wait_probability
-                exponential = ggc_wait_tail(
-                    arrival_rate_rps=arrival_rate_rps,
-                    mean_service_s=alone_s,
-                    servers=workers,
-                    ca2=scv,
-                    cs2=1.0,
-                ).wait_probability
-                return equal / exponential if min(equal, exponential) > 1e-12 else 1.0
+        def ratio(scv: float) -> float:
+            equal = gid_wait(
+                arrival_rate_rps=arrival_rate_rps, service_s=alone_s, servers=workers, ca2=scv
+            ).wait_probability
+            exponential = ggc_wait_tail(
+                arrival_rate_rps=arrival_rate_rps,
+                mean_service_s=alone_s,
+                servers=workers,
+                ca2=scv,
+                cs2=1.0,
+            ).wait_probability
+            return equal / exponential if min(equal, exponential) > 1e-12 else 1.0
 
-            self._burst_factors[key] = (ratio(ca2) / ratio(1.0)) ** weight
-        return self._burst_factors[key]
+        return _kept(
+            self._burst_factors,
+            key,
+            _EXACT_WAITS_KEPT,
+            lambda: (ratio(ca2) / ratio(1.0)) ** weight,
+        )
 
     def _one_worker_tail(self, arrival_rate_rps: float, tail: WaitTail, *, ca2: float) -> WaitTail:
         """One worker: the exponential tail matched to the exact wait of Poisson arrivals.
@@ -787,13 +806,14 @@ class PrefillModel:
         )
         if poisson.wait_probability <= 1.0 - quantile:
             return tail
-        if arrival_rate_rps not in self._exact_waits:
-            if len(self._exact_waits) >= _EXACT_WAITS_KEPT:
-                self._exact_waits.clear()
-            self._exact_waits[arrival_rate_rps] = mg1_wait_quantile_s(
+        exact_s = _kept(
+            self._exact_waits,
+            arrival_rate_rps,
+            _EXACT_WAITS_KEPT,
+            lambda: mg1_wait_quantile_s(
                 self.packed_s, self.weights, arrival_rate_rps=arrival_rate_rps, quantile=quantile
-            )
-        exact_s = self._exact_waits[arrival_rate_rps]
+            ),
+        )
         if exact_s is None or exact_s <= 0.0:
             return tail
         matched = math.log(poisson.wait_probability / (1.0 - quantile)) / exact_s
@@ -804,16 +824,14 @@ class PrefillModel:
 
     def _atoms(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> _Atoms:
         """``_build_atoms``, kept for the last few pool states (read-only arrays)."""
-        key = (workers, arrival_rate_rps, ca2)
-        atoms = self._atom_sets.get(key)
-        if atoms is None:
-            if len(self._atom_sets) >= _ATOM_SETS_KEPT:
-                self._atom_sets.clear()
+
+        def build() -> _Atoms:
             atoms = self._build_atoms(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
             for array in atoms[:3]:
                 array.flags.writeable = False
-            self._atom_sets[key] = atoms
-        return atoms
+            return atoms
+
+        return _kept(self._atom_sets, (workers, arrival_rate_rps, ca2), _ATOM_SETS_KEPT, build)
 
     def _build_atoms(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> _Atoms:
         """TTFT atoms: values, weight without wait, weight with wait, and the wait's rate.
