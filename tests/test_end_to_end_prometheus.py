@@ -31,7 +31,7 @@ from controller.config import ControllerConfig
 from dashboards.rules import OUTPUT as RULES_FILE
 from dashboards.rules import rule_queries
 from dashboards.sara_slo import dashboard_queries
-from workers.redis_util import free_port
+from workers.redis_util import free_port, free_port_block
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 WORKER_SLOTS = 3  # metrics ports scraped per pool (the controller may add workers)
@@ -81,7 +81,10 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     config.update(interval_s=2.0, window_s=10.0, burst_window_s=2.0, stale_after_s=20.0)
     (work / "config.json").write_text(json.dumps(config))
     router_port, api_port = free_port(), free_port()
-    prefill_port, decode_port = free_port(), free_port() + 100
+    # Worker i of a pool listens on base + i: one block below the ephemeral range,
+    # where router_port and api_port are drawn, so no worker can land on either.
+    prefill_port = free_port_block(2 * WORKER_SLOTS)
+    decode_port = prefill_port + WORKER_SLOTS
     serve = subprocess.Popen(
         [
             sys.executable, "-m", "cli", "serve",
