@@ -15,11 +15,14 @@ a drawn SLO, and the worst miss.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +36,11 @@ from sim.fidelity import (
     Case,
     CaseResult,
     Decision,
+    Measured,
+    Transient,
     decode_workers_for,
     draw_cases,
+    rescored,
     run_case,
     simulated_departures,
 )
@@ -163,24 +169,12 @@ def main(
     replications: int,
     jobs: int,
     only: Sequence[int] | None = None,
+    save: Path | None = None,
 ) -> None:
     """Draw ``cases`` cases from ``seed`` and run them (or only those indexed ``only``:
-    the draws, and so each case's seed, do not depend on which are run)."""
-    profiles = [resolve_profile(name) for name in PROFILES]
-    long_profiles = [resolve_profile(name) for name in LONG_PROFILES]
-    contexts = {p.name: max_context(p) for p in (*profiles, *long_profiles)}
-    drawn = draw_cases(
-        cases,
-        profiles=profiles,
-        long_profiles=long_profiles,
-        max_context=contexts,
-        rng=np.random.default_rng(seed),
-    )
-    if only is not None:
-        unknown = sorted(set(only) - set(range(cases)))
-        if unknown:
-            raise SystemExit(f"--only: no case {unknown} among the {cases} drawn")
-        drawn = [(case, samples) for case, samples in drawn if case.index in set(only)]
+    the draws, and so each case's seed, do not depend on which are run); with ``save``,
+    write the simulated half of every row there (``rescore`` reads it back)."""
+    drawn = _drawn(seed, cases, only)
     work = [(case, samples, requests, replications) for case, samples in drawn]
     # Largest runs first, so the slowest cases do not finish last on one core.
     work.sort(key=lambda w: -requests_for(w[0].prefill_workers, requests, w[0].ca2))
@@ -191,7 +185,116 @@ def main(
             results.append(future.result())
             print(row(results[-1]), file=sys.stderr, flush=True)
     results.sort(key=lambda r: r.case.index)
+    if save is not None:
+        save.write_text(
+            json.dumps(
+                {
+                    "seed": seed,
+                    "cases": cases,
+                    "requests": requests,
+                    "replications": replications,
+                    "rows": [_simulated_half(r) for r in results],
+                },
+                indent=1,
+            )
+        )
+    report(results, seed=seed, cases=cases, requests=requests, replications=replications)
 
+
+def rescore(path: Path) -> None:
+    """The table of a run saved with ``main(save=...)``: its simulated half as it was
+    measured, the predictions and the solver's answers from the model as it is now
+    (``sim.fidelity.rescored``; the same rows a new run would print, in seconds)."""
+    saved = json.loads(path.read_text())
+    rows = {int(r["index"]): r for r in saved["rows"]}
+    drawn = _drawn(int(saved["seed"]), int(saved["cases"]), sorted(rows))
+    results = [
+        rescored(case, samples, _from_simulated_half(rows[case.index], case))
+        for case, samples in drawn
+    ]
+    print(f"rescored from {path} (simulated half as saved, predictions from the model now)")
+    report(
+        results,
+        seed=int(saved["seed"]),
+        cases=int(saved["cases"]),
+        requests=int(saved["requests"]),
+        replications=int(saved["replications"]),
+    )
+
+
+def _drawn(seed: int, cases: int, only: Sequence[int] | None) -> list[tuple[Case, LengthSamples]]:
+    profiles = [resolve_profile(name) for name in PROFILES]
+    long_profiles = [resolve_profile(name) for name in LONG_PROFILES]
+    contexts = {p.name: max_context(p) for p in (*profiles, *long_profiles)}
+    drawn = draw_cases(
+        cases,
+        profiles=profiles,
+        long_profiles=long_profiles,
+        max_context=contexts,
+        rng=np.random.default_rng(seed),
+    )
+    if only is None:
+        return drawn
+    unknown = sorted(set(only) - set(range(cases)))
+    if unknown:
+        raise SystemExit(f"--only: no case {unknown} among the {cases} drawn")
+    return [(case, samples) for case, samples in drawn if case.index in set(only)]
+
+
+def _simulated_half(r: CaseResult) -> dict[str, object]:
+    """What a row measured in the simulator (and the case's seed, to check a reload)."""
+
+    def decision(d: Decision | None) -> dict[str, object] | None:
+        return None if d is None else {"slo_s": d.slo_s, "simulated": d.simulated}
+
+    return {
+        "index": r.case.index,
+        "case_seed": r.case.seed,
+        "decode_workers": r.decode_workers,
+        "ttft_sim": [r.ttft_sim.mean_s, r.ttft_sim.half_width_s],
+        "tpot_sim": [r.tpot_sim.mean_s, r.tpot_sim.half_width_s],
+        "prefill_decision": decision(r.prefill_decision),
+        "decode_decision": decision(r.decode_decision),
+        "replications": r.replications,
+        "transient_s": [r.transient.warmup_s, r.transient.cooldown_s],
+    }
+
+
+def _from_simulated_half(saved: dict[str, Any], case: Case) -> CaseResult:
+    """A row from ``_simulated_half`` (no predictions yet: ``rescored`` adds them)."""
+    if int(saved["case_seed"]) != case.seed:
+        raise SystemExit(
+            f"case {case.index}: saved with seed {saved['case_seed']}, drawn now with "
+            f"{case.seed} (the draws changed since the run was saved)"
+        )
+
+    def decision(d: dict[str, Any] | None) -> Decision | None:
+        return (
+            None
+            if d is None
+            else Decision(slo_s=float(d["slo_s"]), simulated=d["simulated"], solver=None)
+        )
+
+    return CaseResult(
+        case=case,
+        decode_workers=int(saved["decode_workers"]),
+        ttft_pred_s=math.nan,
+        ttft_sim=Measured(mean_s=saved["ttft_sim"][0], half_width_s=saved["ttft_sim"][1]),
+        tpot_pred_s=math.nan,
+        tpot_sim=Measured(mean_s=saved["tpot_sim"][0], half_width_s=saved["tpot_sim"][1]),
+        prefill_decision=decision(saved["prefill_decision"]),
+        decode_decision=decision(saved["decode_decision"]),
+        replications=int(saved["replications"]),
+        transient=Transient(
+            warmup_s=float(saved["transient_s"][0]), cooldown_s=float(saved["transient_s"][1])
+        ),
+    )
+
+
+def report(
+    results: Sequence[CaseResult], *, seed: int, cases: int, requests: int, replications: int
+) -> None:
+    """The table, the error distributions per arrival class and the decisions."""
     print(
         f"seed {seed}; {len(results)} of {cases} cases; {replications} replications (up to "
         f"{BOUNDARY_REPLICATIONS * replications} near the boundary: reps) of "
@@ -235,16 +338,7 @@ def main(
 
 def _drawn_case(*, seed: int, cases: int, index: int) -> tuple[Case, LengthSamples]:
     """Case ``index`` of the ``cases`` drawn from ``seed`` (the same draws as ``main``)."""
-    profiles = [resolve_profile(name) for name in PROFILES]
-    long_profiles = [resolve_profile(name) for name in LONG_PROFILES]
-    contexts = {p.name: max_context(p) for p in (*profiles, *long_profiles)}
-    return draw_cases(
-        cases,
-        profiles=profiles,
-        long_profiles=long_profiles,
-        max_context=contexts,
-        rng=np.random.default_rng(seed),
-    )[index]
+    return _drawn(seed, cases, [index])[0]
 
 
 def probe_burst(*, seed: int, cases: int, index: int, requests: int, replications: int) -> None:

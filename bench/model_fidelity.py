@@ -17,6 +17,8 @@ half-width of a t-interval (95 %) over the replications, relative to the mean.
     .venv/bin/python bench/model_fidelity.py --quick    # fewer requests and rows
     .venv/bin/python bench/model_fidelity.py --random   # drawn cases (bench/fidelity_random.py)
     .venv/bin/python bench/model_fidelity.py --random --quick
+    .venv/bin/python bench/model_fidelity.py --random --save run.json   # keep the simulated half
+    .venv/bin/python bench/model_fidelity.py --random --rescore run.json  # ... re-predicted now
     .venv/bin/python bench/model_fidelity.py --random --quick --probe-wait 6   # one case's P_w
     .venv/bin/python bench/model_fidelity.py --random --probe-burst 34   # TPOT against the SCV
 """
@@ -179,6 +181,18 @@ def main() -> None:
         help="--random: run only these cases of the drawn set (same draws, same seeds)",
     )
     parser.add_argument(
+        "--save",
+        type=Path,
+        metavar="PATH",
+        help="--random: also write the run's simulated half to PATH (JSON, for --rescore)",
+    )
+    parser.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="PATH",
+        help="--random: the table of a run saved with --save, predicted by the model now",
+    )
+    parser.add_argument(
         "--probe-wait",
         type=int,
         metavar="INDEX",
@@ -223,6 +237,9 @@ def main() -> None:
             if getattr(args, option) is not None:
                 probe(getattr(args, option))
                 return
+        if args.rescore is not None:
+            fidelity_random.rescore(args.rescore)
+            return
         fidelity_random.main(
             seed=args.seed,
             cases=cases,
@@ -230,6 +247,7 @@ def main() -> None:
             replications=3 if args.quick else 4,
             jobs=args.jobs,
             only=args.only,
+            save=args.save,
         )
         return
     requests = 6_000 if args.quick else args.requests

@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
@@ -234,6 +234,7 @@ class CaseResult:
     prefill_decision: Decision | None
     decode_decision: Decision | None
     replications: int  # at the case's own pools (more when run near the boundary)
+    transient: Transient  # the window left out of every replication
 
     @property
     def ttft_err(self) -> float:
@@ -516,25 +517,86 @@ def run_case(
         solver_n, solver_m = _solver_answer(model, rate, case.ca2, n, ttft_slo, tpot_slo)
         prefill_decision = Decision(slo_s=ttft_slo, simulated=sim_n, solver=solver_n)
         decode_decision = Decision(slo_s=tpot_slo, simulated=sim_m, solver=solver_m)
+    ttft_pred_s, tpot_pred_s = _predicted(model, case, rate=rate, decode_workers=m)
     return CaseResult(
         case=case,
         decode_workers=m,
-        ttft_pred_s=model.prefill.ttft_quantile_s(
-            workers=n, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
-        ),
+        ttft_pred_s=ttft_pred_s,
         ttft_sim=measured(ttft),
-        tpot_pred_s=model.decode.tpot_quantile_s(
-            workers=m,
-            arrival_rate_rps=rate,
-            ca2=model.arrival_scv(
-                Pool.DECODE, prefill_workers=n, arrival_rate_rps=rate, ca2=case.ca2
-            ),
-            quantile=0.99,
-        ),
+        tpot_pred_s=tpot_pred_s,
         tpot_sim=measured(tpot),
         prefill_decision=prefill_decision,
         decode_decision=decode_decision,
         replications=len(ttft),
+        transient=transient,
+    )
+
+
+def _predicted(
+    model: CapacityModel, case: Case, *, rate: float, decode_workers: int
+) -> tuple[float, float]:
+    """The model's P99 TTFT and P99 TPOT at the case's pools."""
+    n = case.prefill_workers
+    ttft_s = model.prefill.ttft_quantile_s(
+        workers=n, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
+    )
+    tpot_s = model.decode.tpot_quantile_s(
+        workers=decode_workers,
+        arrival_rate_rps=rate,
+        ca2=model.arrival_scv(Pool.DECODE, prefill_workers=n, arrival_rate_rps=rate, ca2=case.ca2),
+        quantile=0.99,
+    )
+    return ttft_s, tpot_s
+
+
+def rescored(case: Case, samples: LengthSamples, saved: CaseResult) -> CaseResult:
+    """``saved``'s simulated half (its P99s, drawn SLOs and the simulator's smallest
+    pools) with the predictions and the solver's answers of the model as it is now.
+
+    The simulated half depends on the case's seed alone — the replications, the SLOs
+    and the extra replications near the boundary are decided from simulated P99s — so
+    this is what ``run_case`` would print again, without the simulations: a change
+    of the model is measured on every drawn case in seconds.
+    """
+    if saved.case.index != case.index or saved.case.seed != case.seed:
+        raise ValueError(
+            f"saved: case {saved.case.index} (seed {saved.case.seed}) is not "
+            f"case {case.index} (seed {case.seed})"
+        )
+    model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
+    rate = case.utilisation * case.prefill_workers / model.prefill.mean_service_s
+    m = saved.decode_workers
+    # The simulated half read the model in two places: the decode pool's size and the
+    # window left out. Where the model now answers otherwise, a new run would simulate
+    # something else.
+    if (
+        decode_workers_for(model, rate, case.ca2, case.utilisation) != m
+        or transient_s(model, samples, decode_workers=m, rate=rate, ca2=case.ca2) != saved.transient
+    ):
+        raise ValueError(
+            f"saved: case {case.index}'s decode pool or measured window differs under the "
+            "model now; its simulated half must be run again"
+        )
+    ttft_pred_s, tpot_pred_s = _predicted(model, case, rate=rate, decode_workers=m)
+    prefill_decision = decode_decision = None
+    if saved.prefill_decision is not None and saved.decode_decision is not None:
+        solver_n, solver_m = _solver_answer(
+            model,
+            rate,
+            case.ca2,
+            case.prefill_workers,
+            saved.prefill_decision.slo_s,
+            saved.decode_decision.slo_s,
+        )
+        prefill_decision = replace(saved.prefill_decision, solver=solver_n)
+        decode_decision = replace(saved.decode_decision, solver=solver_m)
+    return replace(
+        saved,
+        case=case,
+        ttft_pred_s=ttft_pred_s,
+        tpot_pred_s=tpot_pred_s,
+        prefill_decision=prefill_decision,
+        decode_decision=decode_decision,
     )
 
 
