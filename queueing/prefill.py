@@ -28,7 +28,8 @@ started V earlier, V uniform on [0, D) (the stream's offset within an iteration)
 * W_f >= V: the worker admits the prompt at the start of that iteration; the
   admission wait W_f - V is again exponential (memoryless), with mass
   P_w (1 - e^-a) / a, a = theta * D, and the prompt then needs ceil((o + L) / tau)
-  full iterations, o = V tau / D tokens ahead of it;
+  full iterations, o the tokens ahead of it: the queue ahead, which the N workers
+  take tau at a time, modulo tau (``_StreamTerms.at``);
 * W_f < V: it arrived while that iteration was running and is admitted at its end
   or, sooner, at another busy worker's boundary with budget to spare — after less
   than an iteration (``_fresh_start_wait_s``, spread over its bands by
@@ -94,17 +95,67 @@ def prefill_service_s(
 class _StreamTerms:
     """Per class, a prompt admitted into a running stream of full iterations.
 
-    At a uniform offset o in [0, tau) it spans ceil((o + L) / tau) iterations: one
-    more than floor(L / tau) or two more (probability the fractional part of
-    L / tau). Each branch's time from admission to first token is
-    ``*_base_s`` plus ``*_fill_s`` when work fills the rest of its last iteration.
+    At an offset of o = f tau tokens into its first iteration it spans
+    ceil(f + L / tau) iterations: one more than floor(L / tau), or two more when f
+    passes 1 - frac(L / tau). ``at`` prices both branches for the offset's law.
     """
 
-    one_more_base_s: FloatArray
-    one_more_fill_s: FloatArray
-    two_more_base_s: FloatArray
-    two_more_fill_s: FloatArray
-    two_more_share: FloatArray
+    whole: FloatArray  # floor(L / tau)
+    fraction: FloatArray  # frac(L / tau)
+    lengths: FloatArray  # L, tokens
+    attention_s: FloatArray
+    t0_s: float
+    t_tok_s: float
+    tau: float
+
+    def at(self, decay: float) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]:
+        """(one more: base, fill; two more: base, fill; the share of two more) for an
+        offset f in [0, 1) of density proportional to e^(-decay f) (uniform at 0),
+        each branch priced at its mean offset. From admission the prompt's time to
+        its first token is the branch's base, plus its fill when work fills the rest
+        of its last iteration.
+
+        Why the offset decays: the tokens ahead of the prompt in the iteration that
+        admits it are the queue ahead of it, less the whole budgets the boundaries
+        before took. That queue is what the N workers' streams, N tau tokens per
+        iteration time D, take during its admission wait W_f - V, so
+        f = frac(N (W_f - V) / D); the admission wait is exponential of rate theta
+        (memoryless), and the fraction of an exponential has density proportional to
+        e^(-decay f) on [0, 1), decay = theta D / N. It is uniform only when the
+        wait spans many budgets of queue; a queue short against a budget finds the
+        prompt near its iteration's start, and it then rarely needs one iteration
+        more than its length does."""
+        cut = 1.0 - self.fraction  # offsets below it end within whole + 1 iterations
+        inside = _truncated_exponential_mean(decay, cut)
+        beyond = cut + _truncated_exponential_mean(decay, self.fraction)
+        if decay < 1e-9:
+            two_share = self.fraction
+        else:
+            two_share = (np.exp(-decay * cut) - math.exp(-decay)) / -math.expm1(-decay)
+
+        def branch(iterations: FloatArray, offset: FloatArray) -> tuple[FloatArray, FloatArray]:
+            tokens = offset * self.tau
+            base = (
+                iterations * self.t0_s + self.t_tok_s * (tokens + self.lengths) + self.attention_s
+            )
+            fill = self.t_tok_s * (iterations * self.tau - tokens - self.lengths)
+            return base, fill
+
+        one_base, one_fill = branch(self.whole + 1.0, inside)
+        two_base, two_fill = branch(self.whole + 2.0, beyond)
+        return one_base, one_fill, two_base, two_fill, two_share
+
+
+def _truncated_exponential_mean(decay: float, width: FloatArray) -> FloatArray:
+    """The mean of x on [0, width) of density proportional to e^(-decay x):
+    1 / decay - width / (e^(decay width) - 1), width / 2 at decay 0."""
+    x = decay * width
+    small = x < 1e-6
+    safe = np.where(small, 1.0, x)
+    # 1 / (e^x - 1) as e^-x / (1 - e^-x), which does not overflow at large x.
+    exact = width * (1.0 / safe - np.exp(-safe) / -np.expm1(-safe))
+    result: FloatArray = np.where(small, width * (0.5 - x / 12.0), exact)
+    return result
 
 
 # The co-packed tokens' distribution: cells per token budget, the most prompts
@@ -319,25 +370,17 @@ def _stream_terms(
     profile: IterationProfile, lengths: FloatArray, strata: Strata, token_budget: int
 ) -> _StreamTerms:
     tau = float(token_budget)
-    whole = np.floor(lengths / tau)
-    fraction = lengths / tau - whole  # the chance of the second extra iteration
-    attention = profile.t_attn_s * lengths * (lengths + 1.0) / 2.0
-
-    def branch(iterations: FloatArray, offset: FloatArray) -> tuple[FloatArray, FloatArray]:
-        base = iterations * profile.t0_s + profile.t_tok_s * (offset + lengths) + attention
-        fill = profile.t_tok_s * (iterations * tau - offset - lengths)
-        return base, fill
-
-    # Offsets o < tau (1 - fraction) end within whole + 1 iterations, the others
-    # within whole + 2; each branch is priced at its mean offset.
-    one_base, one_fill = branch(whole + 1.0, tau * (1.0 - fraction) / 2.0)
-    two_base, two_fill = branch(whole + 2.0, tau * (1.0 - fraction / 2.0))
+    # A class holds alike lengths, so its mean length stands for it.
+    mean_lengths = strata.means(lengths)
+    whole = np.floor(mean_lengths / tau)
     return _StreamTerms(
-        one_more_base_s=_weighted_means(strata, one_base, 1.0 - fraction),
-        one_more_fill_s=_weighted_means(strata, one_fill, 1.0 - fraction),
-        two_more_base_s=_weighted_means(strata, two_base, fraction),
-        two_more_fill_s=_weighted_means(strata, two_fill, fraction),
-        two_more_share=strata.means(fraction),
+        whole=whole,
+        fraction=mean_lengths / tau - whole,
+        lengths=mean_lengths,
+        attention_s=strata.means(profile.t_attn_s * lengths * (lengths + 1.0) / 2.0),
+        t0_s=profile.t0_s,
+        t_tok_s=profile.t_tok_s,
+        tau=tau,
     )
 
 
@@ -708,9 +751,14 @@ class PrefillModel:
         stream = self._stream_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
         # While a worker is idle, arrivals start alone (the solo time); once all are
         # busy the queue drains as a token stream (the packed time): the two-rate
-        # chain of ``_stream_drain_factor``. Near saturation the solo load may exceed
-        # the pool, so it is kept below N / lambda as ``_busy_s`` keeps the busy time.
-        alone_s = self._busy_s(workers=workers, arrival_rate_rps=arrival_rate_rps, p_wait=0.0)
+        # chain of ``_stream_drain_factor``. The chain holds at any solo load (its
+        # Erlang B is a loss system's), but the GI/M/N value it scales needs
+        # lambda * solo < N, so only a solo load at the pool's size is held just
+        # below it. (Holding it at the busy time's ceiling, halfway from the packed
+        # time to N / lambda, put the chance of waiting of seed 2027 #25, 12 workers
+        # at a solo load of 0.84 and a packed one of 0.44, at 0.12 against 0.25
+        # simulated.)
+        alone_s = min(self.mean_service_s, _SOLO_LOAD_HELD * workers / arrival_rate_rps)
         p_wait = ggc_wait_tail(
             arrival_rate_rps=arrival_rate_rps,
             mean_service_s=alone_s,
@@ -908,7 +956,12 @@ class PrefillModel:
         # iterations (in bursts the queue a boundary takes is long).
         wait_bands = brief_wait_bands_s(theta, in_progress_s, others_per_s)
         w = self.weights
-        s = self.stream
+        # The stream's offset in the iteration that admits a prompt: the queue ahead
+        # of it modulo the budget, which N workers take N times as fast
+        # (``_StreamTerms.at``).
+        one_base, one_fill, two_base, two_fill, two_share = self.stream.at(
+            theta * self.iteration_s / workers
+        )
         queued = w * pw
         briefly = queued * (1.0 - share)
         # A multi-chunk class keeps the mean fill in every fill band.
@@ -929,8 +982,8 @@ class PrefillModel:
                 band_values.ravel(),
                 split_values.ravel(),
                 self.ride_base_s + short_wait_s + pw * self.ride_fill_s,
-                s.one_more_base_s + stream_filled * s.one_more_fill_s,
-                s.two_more_base_s + stream_filled * s.two_more_fill_s,
+                one_base + stream_filled * one_fill,
+                two_base + stream_filled * two_fill,
             ]
         )
         no_wait = np.concatenate(
@@ -949,8 +1002,8 @@ class PrefillModel:
         with_wait = np.concatenate(
             [
                 np.zeros(len(values) - 2 * len(w)),
-                in_stream * (1.0 - s.two_more_share),
-                in_stream * s.two_more_share,
+                in_stream * (1.0 - two_share),
+                in_stream * two_share,
             ]
         )
         return values, no_wait, with_wait, theta
@@ -991,6 +1044,9 @@ class PrefillModel:
         return cached
 
 
+# The most solo load, over the pool's size, at which the GI/M/N chance of waiting is
+# taken (it is 1 at the pool's size; the two-rate chain goes on beyond).
+_SOLO_LOAD_HELD = 0.999
 # The level at which a one-worker pool's wait tail is matched to the exact wait (the
 # SLO's percentile: the P99 is what the solver sizes for).
 TAIL_MATCH_QUANTILE = 0.99

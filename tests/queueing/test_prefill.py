@@ -135,17 +135,47 @@ def test_a_prompt_joining_the_stream_spans_its_packed_share_plus_one_iteration(
     # Uniform offset o: E[ceil((o + L) / tau)] = L / tau + 1 full iterations of D.
     budget = 1024
     model = PrefillModel.build(samples, profile, token_budget=budget)
-    s = model.stream
-    filled = (1 - s.two_more_share) * (s.one_more_base_s + s.one_more_fill_s) + s.two_more_share * (
-        s.two_more_base_s + s.two_more_fill_s
-    )
+    one_base, one_fill, two_base, two_fill, two_share = model.stream.at(0.0)
+    filled = (1 - two_share) * (one_base + one_fill) + two_share * (two_base + two_fill)
     lengths = samples.prompt_tokens.astype(np.float64)
     iteration_s = profile.t0_s + profile.t_tok_s * budget
     expected = (lengths / budget + 1) * iteration_s + profile.t_attn_s * lengths * (lengths + 1) / 2
     assert float((model.weights * filled).sum()) == pytest.approx(float(expected.mean()))
     # Over its offset, joining the stream never beats running the prompt alone.
-    unfilled = (1 - s.two_more_share) * s.one_more_base_s + s.two_more_share * s.two_more_base_s
+    unfilled = (1 - two_share) * one_base + two_share * two_base
     assert np.all(unfilled >= model.service_s * (1 - 1e-12))
+
+
+@pytest.mark.parametrize("decay", [1e-7, 0.3, 2.0, 9.0])
+def test_the_stream_offset_is_the_queue_ahead_modulo_the_budget(
+    samples: LengthSamples, profile: IterationProfile, decay: float
+) -> None:
+    # The offset, in budgets, is frac(N W_f / D) for an exponential stream wait: drawn
+    # as the fractional part of Exp(decay) draws, each class's iterations and tokens
+    # ahead match the branches' closed forms.
+    budget = 1024
+    model = PrefillModel.build(samples, profile, token_budget=budget)
+    terms = model.stream
+    one_base, _, two_base, _, two_share = terms.at(decay)
+    rng = np.random.default_rng(7)
+    offsets = np.modf(rng.exponential(1.0 / decay, 400_000))[0]
+    for c in (0, len(model.weights) // 2, len(model.weights) - 1):
+        share_of_l = terms.lengths[c] / budget
+        two_more = offsets > 1.0 - (share_of_l - np.floor(share_of_l))
+        assert two_share[c] == pytest.approx(two_more.mean(), abs=4e-3)
+        # The tokens ahead, through each branch's base (t_tok per token of offset).
+        for mask, base, extra in ((~two_more, one_base, 1.0), (two_more, two_base, 2.0)):
+            if mask.sum() < 1_000:
+                continue
+            tokens_ahead = float(offsets[mask].mean()) * budget
+            constant = (
+                (np.floor(share_of_l) + extra) * profile.t0_s
+                + profile.t_tok_s * terms.lengths[c]
+                + terms.attention_s[c]
+            )
+            assert (base[c] - constant) / profile.t_tok_s == pytest.approx(
+                tokens_ahead, rel=0.02, abs=3.0
+            )
 
 
 def test_while_prompts_queue_the_wait_decays_at_the_packed_drain_rate(
