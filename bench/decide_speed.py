@@ -34,10 +34,14 @@ def main() -> None:
     full = load_lengths(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv")
     rng = np.random.default_rng(0)
     rows = rng.choice(len(full), size=1000, replace=False)
-    lengths = LengthSamples(prompt_tokens=full.prompt_tokens[rows],
-                            output_tokens=full.output_tokens[rows], source="conv sample")
-    config = ControllerConfig(profile="llama-2-70b-tp4@h100-sxm",
-                              slo=SloConfig(ttft_p99_s=1.0, tpot_p99_s=0.1))
+    lengths = LengthSamples(
+        prompt_tokens=full.prompt_tokens[rows],
+        output_tokens=full.output_tokens[rows],
+        source="conv sample",
+    )
+    config = ControllerConfig(
+        profile="llama-2-70b-tp4@h100-sxm", slo=SloConfig(ttft_p99_s=1.0, tpot_p99_s=0.1)
+    )
     profile = resolve_profile(config.profile)
     print(f"{'rate rps':>9} {'targets':>9} {'decide median':>14} {'bare solve':>11} {'ratio':>6}")
     worst = 0.0
@@ -75,8 +79,10 @@ def main() -> None:
             bare.append(time.perf_counter() - started)
         med, ref = statistics.median(times), statistics.median(bare)
         worst = max(worst, med)
-        print(f"{rate:>9.0f} {current[0]:>4}+{current[1]:<4} {med * 1e3:>11.3f} ms "
-              f"{ref * 1e3:>8.3f} ms {med / ref:>5.1f}x")
+        print(
+            f"{rate:>9.0f} {current[0]:>4}+{current[1]:<4} {med * 1e3:>11.3f} ms "
+            f"{ref * 1e3:>8.3f} ms {med / ref:>5.1f}x"
+        )
     print(f"slowest median decide(): {worst * 1e3:.3f} ms (target < 2 ms)")
 
 

@@ -21,6 +21,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from sim.fidelity import (
     simulated_departures,
 )
 from sim.workload import gamma_arrivals, synthesize
+from workers.scheduler import StepPlan
 
 PROFILES = (
     "llama-3-8b@h100-sxm",
@@ -434,12 +436,22 @@ def probe_departures(*, seed: int, cases: int, index: int, requests: int) -> Non
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Waiting:
+    """What one simulated run says about the prompts that wait (``_simulated_waiting``)."""
+
+    share: float  # of arrivals that find no idle prefill worker
+    p99_s: float  # P99 TTFT
+    longer_share: float  # of those that waited: ran more iterations than alone
+    ahead_budgets: float  # of those that waited: mean tokens ahead in their first iteration
+
+
 def _simulated_waiting(
     case: Case, samples: LengthSamples, model: CapacityModel, *, rate: float, workers: int,
     requests: int,
-) -> tuple[float, float]:  # fmt: skip
-    """One run of ``requests`` at ``workers`` prefill workers, its first 5 % left out:
-    (the share of arrivals that find no idle prefill worker, the P99 TTFT)."""
+) -> _Waiting:  # fmt: skip
+    """One run of ``requests`` at ``workers`` prefill workers, its first 5 % left out,
+    each prompt's first chunk recorded (the iteration that admits it)."""
     import sim.cluster
 
     config = ClusterConfig(
@@ -456,20 +468,38 @@ def _simulated_waiting(
     )
     trace = synthesize(arrival_s=arrivals, lengths=samples, rng=rng, source=case.label)
     cluster = sim.cluster.Cluster(config, trace)
-    found: list[tuple[float, bool]] = []
+    count = len(trace.arrival_s)
+    none_idle = np.zeros(count, dtype=bool)
+    ahead = np.zeros(count)  # tokens before its first chunk in the iteration that admits it
+    iterations = np.zeros(count)
     on_arrival = cluster._on_arrival
+    start_iteration = cluster._start_prefill_iteration
 
     def recording(r: int) -> None:
-        if not cluster._rejected[r]:
-            none_idle = all(w.plan is not None for w in cluster._prefill)
-            found.append((cluster.now_s, none_idle))
+        none_idle[r] = all(w.plan is not None for w in cluster._prefill)
         on_arrival(r)
 
+    def admitting(worker: Any, plan: StepPlan) -> None:
+        tokens = 0
+        for chunk in plan.prefill_chunks:
+            if chunk.start_token == 0:
+                ahead[chunk.seq_id] = tokens
+            iterations[chunk.seq_id] += 1
+            tokens += chunk.num_tokens
+        start_iteration(worker, plan)
+
     cluster._on_arrival = recording  # type: ignore[method-assign]
+    cluster._start_prefill_iteration = admitting  # type: ignore[method-assign]
     results = cluster.run()
-    shares = [busy for t, busy in found if t >= 0.05 * duration_s]
-    steady = trace.arrival_s >= 0.05 * duration_s
-    return sum(shares) / len(shares), float(np.nanquantile(results.ttft_s[steady], 0.99))
+    steady = (trace.arrival_s >= 0.05 * duration_s) & np.isfinite(results.ttft_s)
+    waited = steady & none_idle
+    alone = np.ceil(trace.prompt_tokens / model.token_budget)
+    return _Waiting(
+        share=float(waited.sum() / steady.sum()),
+        p99_s=float(np.quantile(results.ttft_s[steady], 0.99)),
+        longer_share=float((iterations[waited] > alone[waited]).mean()),
+        ahead_budgets=float(ahead[waited].mean() / model.token_budget),
+    )
 
 
 def probe_wait(
@@ -478,7 +508,9 @@ def probe_wait(
     """One drawn case's probability of waiting: the share of arrivals that find no
     idle prefill worker in the simulator (one run of ``requests``, its first 5 %
     left out), against the model's P_w, and the run's P99 TTFT against the model's;
-    at the case's own prefill pool or at each of ``workers``."""
+    of the prompts that waited, the share that ran more iterations than alone and
+    their mean tokens ahead in the iteration that admitted them; at the case's own
+    prefill pool or at each of ``workers``."""
     case, samples = _drawn_case(seed=seed, cases=cases, index=index)
     model = CapacityModel.build(samples, case.profile, tpot_slo_s=case.tpot_slo_s, link=LINK)
     rate = case.utilisation * case.prefill_workers / model.prefill.mean_service_s
@@ -488,16 +520,17 @@ def probe_wait(
         f"{case.prefill_workers} workers)"
     )
     for n in workers or [case.prefill_workers]:
-        share, p99_s = _simulated_waiting(
-            case, samples, model, rate=rate, workers=n, requests=requests
-        )
+        run = _simulated_waiting(case, samples, model, rate=rate, workers=n, requests=requests)
         tail = model.prefill.wait_tail(workers=n, arrival_rate_rps=rate, ca2=case.ca2)
         predicted_s = model.prefill.ttft_quantile_s(
             workers=n, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
         )
         print(
-            f"  N {n}: arrivals finding no idle prefill worker {share:.3f} simulated, "
-            f"P_w {tail.wait_probability:.3f} model; P99 TTFT {p99_s:.4f} s simulated, "
-            f"{predicted_s:.4f} s model",
+            f"  N {n}: arrivals finding no idle prefill worker {run.share:.3f} simulated, "
+            f"P_w {tail.wait_probability:.3f} model (theta D "
+            f"{tail.decay_rate_per_s * model.prefill.iteration_s:.3g}); P99 TTFT "
+            f"{run.p99_s:.4f} s simulated, {predicted_s:.4f} s model; of the prompts that "
+            f"waited, {run.longer_share:.3f} ran more iterations than alone, with "
+            f"{run.ahead_budgets:.3f} budgets ahead in their first on average",
             flush=True,
         )
