@@ -178,6 +178,31 @@ def test_the_stream_offset_is_the_queue_ahead_modulo_the_budget(
             )
 
 
+@pytest.mark.parametrize("solo_load", [0.5, 0.84, 0.95])
+def test_poisson_arrivals_wait_as_the_two_rate_chain_says_at_any_solo_load(
+    profile: IterationProfile, solo_load: float
+) -> None:
+    # Short prompts on a wide budget: a prompt alone pays t0, one packed hardly any,
+    # so the solo load runs far above the packed one. The chain of solo service
+    # below N busy and packed drain above it waits with B / (1 - rho_p + rho_p B),
+    # B = Erlang B at the solo load (here from its recursion), up to the pool's size.
+    rng = np.random.default_rng(11)
+    prompts = np.clip(rng.lognormal(np.log(200), 0.8, 4000), 8, 4000).astype(np.int64)
+    short = LengthSamples(prompt_tokens=prompts, output_tokens=prompts, source="short")
+    model = PrefillModel.build(short, profile, token_budget=8192)
+    workers = 12
+    rate = solo_load * workers / model.mean_service_s
+    packed_load = rate * model.packed_service_s / workers
+    assert packed_load < 0.7 * solo_load  # the case this is about
+    blocking = 1.0
+    for k in range(1, workers + 1):
+        offered = rate * model.mean_service_s
+        blocking = offered * blocking / (k + offered * blocking)
+    chain = blocking / (1.0 - packed_load + packed_load * blocking)
+    got = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=1.0).wait_probability
+    assert got == pytest.approx(chain, rel=1e-9)
+
+
 def test_while_prompts_queue_the_wait_decays_at_the_packed_drain_rate(
     samples: LengthSamples, profile: IterationProfile
 ) -> None:
