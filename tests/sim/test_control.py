@@ -22,13 +22,21 @@ CONFIG = ControllerConfig(profile=PROFILE.name, slo=SloConfig(ttft_p99_s=1.5, tp
 
 
 def cluster_for(trace_slice_s: float, rate_scale: float, start: tuple[int, int]) -> Cluster:
-    trace = time_slice(load_trace(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv"),
-                       start_s=0.0, end_s=trace_slice_s)
+    trace = time_slice(
+        load_trace(ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv"),
+        start_s=0.0,
+        end_s=trace_slice_s,
+    )
     trace = scale_rate(trace, rate_scale, np.random.default_rng(1))
     model = CapacityModel.build(lengths_of(trace), PROFILE, tpot_slo_s=CONFIG.slo.tpot_p99_s)
-    config = ClusterConfig(prefill_workers=start[0], decode_workers=start[1], profile=PROFILE,
-                           token_budget=model.token_budget,
-                           kv_link_bytes_per_s=KvLink().bytes_per_s, startup_s=60.0)
+    config = ClusterConfig(
+        prefill_workers=start[0],
+        decode_workers=start[1],
+        profile=PROFILE,
+        token_budget=model.token_budget,
+        kv_link_bytes_per_s=KvLink().bytes_per_s,
+        startup_s=60.0,
+    )
     return Cluster(config, trace)
 
 

@@ -4,13 +4,25 @@ the warm-up against the decode pool's relaxation, and when a pool size is decide
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from queueing.catalog import MODELS, resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.solver import CapacityModel, KvLink
-from sim.fidelity import Measured, Transient, _decide, _resolvable, steady_window, transient_s
+from sim.fidelity import (
+    Measured,
+    Transient,
+    _decide,
+    _resolvable,
+    draw_cases,
+    rescored,
+    run_case,
+    steady_window,
+    transient_s,
+)
 from tests.profiles import TEST_8B
 
 
@@ -63,3 +75,26 @@ def test_more_replications_are_run_only_where_they_could_separate_the_sizes() ->
     assert _resolvable(at_n, Measured(mean_s=1.05, half_width_s=0.05))
     # Both at the latency floor (no prompt waits at either size): 0.5 % apart.
     assert not _resolvable(at_n, Measured(mean_s=1.005, half_width_s=0.0))
+
+
+def test_a_rescored_row_is_the_row_a_new_run_would_print() -> None:
+    # The simulated half of a run depends on the case's seed alone, so the same
+    # model re-predicting it gives back the run's predictions and solver answers; a
+    # saved row whose decode pool the model would now size otherwise is refused.
+    profile = resolve_profile("llama-3-8b@h100-sxm")
+    case, samples = draw_cases(
+        1,
+        profiles=[profile],
+        long_profiles=[profile],
+        max_context={profile.name: MODELS[profile.model].max_context_tokens},
+        rng=np.random.default_rng(11),
+        max_utilisation=0.6,
+        arrival_scvs=(1.0,),
+        pool_sizes=(2,),
+    )[0]
+    run = run_case(case, samples, requests=400, replications=2)
+    assert run.prefill_decision is not None and run.decode_decision is not None
+    rescored_run = rescored(case, samples, replace(run, ttft_pred_s=0.0, tpot_pred_s=0.0))
+    assert rescored_run == run
+    with pytest.raises(ValueError, match="decode pool or measured window"):
+        rescored(case, samples, replace(run, decode_workers=run.decode_workers + 1))

@@ -82,7 +82,11 @@ def test_a_significant_rising_trend_is_extrapolated_to_the_horizon() -> None:
     now = 600.0
     arrivals = linear_arrivals(rate0=5.0, slope=0.02, start_s=now - 300, end_s=now)
     got = trend_forecast(
-        ArrivalsOf(arrivals), now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0,
+        ArrivalsOf(arrivals),
+        now_s=now,
+        window_s=300.0,
+        bin_s=30.0,
+        horizon_s=120.0,
         min_t_stat=2.0,
     )
     assert got == pytest.approx(5.0 + 0.02 * (now + 120.0), rel=0.03)
@@ -93,7 +97,11 @@ def test_a_flat_or_falling_rate_gives_no_trend_forecast() -> None:
     flat = np.linspace(now - 300, now, 3001)[1:]
     assert (
         trend_forecast(
-            ArrivalsOf(flat), now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0,
+            ArrivalsOf(flat),
+            now_s=now,
+            window_s=300.0,
+            bin_s=30.0,
+            horizon_s=120.0,
             min_t_stat=2.0,
         )
         is None
@@ -101,7 +109,11 @@ def test_a_flat_or_falling_rate_gives_no_trend_forecast() -> None:
     falling = linear_arrivals(rate0=20.0, slope=-0.01, start_s=now - 300, end_s=now)
     assert (
         trend_forecast(
-            ArrivalsOf(falling), now_s=now, window_s=300.0, bin_s=30.0, horizon_s=120.0,
+            ArrivalsOf(falling),
+            now_s=now,
+            window_s=300.0,
+            bin_s=30.0,
+            horizon_s=120.0,
             min_t_stat=2.0,
         )
         is None
