@@ -758,7 +758,12 @@ class PrefillModel:
         # time to N / lambda, put the chance of waiting of seed 2027 #25, 12 workers
         # at a solo load of 0.84 and a packed one of 0.44, at 0.12 against 0.25
         # simulated.)
-        alone_s = min(self.mean_service_s, _SOLO_LOAD_HELD * workers / arrival_rate_rps)
+        # Never below the packed time, which the stability check keeps under N / lambda
+        # (the chain's factor is then 1, not above it).
+        alone_s = min(
+            self.mean_service_s,
+            max(self.packed_service_s, _SOLO_LOAD_HELD * workers / arrival_rate_rps),
+        )
         p_wait = ggc_wait_tail(
             arrival_rate_rps=arrival_rate_rps,
             mean_service_s=alone_s,
@@ -772,7 +777,7 @@ class PrefillModel:
             busy_load=arrival_rate_rps * alone_s,
             packed_load=arrival_rate_rps * self.packed_service_s,
         )
-        return WaitTail(wait_probability=p_wait, decay_rate_per_s=stream.decay_rate_per_s)
+        return WaitTail(wait_probability=min(1.0, p_wait), decay_rate_per_s=stream.decay_rate_per_s)
 
     @property
     def _synchrony_weight(self) -> float:

@@ -501,3 +501,21 @@ def test_arrivals_smoother_than_poisson_wait_no_longer_than_poisson_ones(
     smooth = model.ttft_quantile_s(ca2=ca2, **kwargs)
     assert math.isfinite(smooth)
     assert smooth <= model.ttft_quantile_s(ca2=1.0, **kwargs)
+
+
+def test_a_pool_packed_almost_to_its_size_waits_with_a_probability_of_at_most_one(
+    profile: IterationProfile,
+) -> None:
+    # Short prompts on a wide budget near the packed capacity: the solo load is far
+    # beyond the pool, the packed one just under it; the chance of waiting stays a
+    # probability and tends to one.
+    rng = np.random.default_rng(11)
+    prompts = np.clip(rng.lognormal(np.log(200), 0.8, 4000), 8, 4000).astype(np.int64)
+    short = LengthSamples(prompt_tokens=prompts, output_tokens=prompts, source="short")
+    model = PrefillModel.build(short, profile, token_budget=8192)
+    workers = 4
+    for packed_load in (0.99, 0.9995, 0.99999):
+        rate = packed_load * workers / model.packed_service_s
+        for ca2 in (0.5, 1.0, 4.0):
+            p = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=ca2).wait_probability
+            assert 0.9 < p <= 1.0
