@@ -178,6 +178,15 @@ def test_the_stream_offset_is_the_queue_ahead_modulo_the_budget(
             )
 
 
+def _short_prompts_on_a_wide_budget(profile: IterationProfile) -> PrefillModel:
+    """Prompts of about 200 tokens on a budget of 8,192: alone each pays t0, packed
+    hardly any, so the solo load runs far above the packed one."""
+    rng = np.random.default_rng(11)
+    prompts = np.clip(rng.lognormal(np.log(200), 0.8, 4000), 8, 4000).astype(np.int64)
+    short = LengthSamples(prompt_tokens=prompts, output_tokens=prompts, source="short")
+    return PrefillModel.build(short, profile, token_budget=8192)
+
+
 @pytest.mark.parametrize("solo_load", [0.5, 0.84, 0.95])
 def test_poisson_arrivals_wait_as_the_two_rate_chain_says_at_any_solo_load(
     profile: IterationProfile, solo_load: float
@@ -186,10 +195,7 @@ def test_poisson_arrivals_wait_as_the_two_rate_chain_says_at_any_solo_load(
     # so the solo load runs far above the packed one. The chain of solo service
     # below N busy and packed drain above it waits with B / (1 - rho_p + rho_p B),
     # B = Erlang B at the solo load (here from its recursion), up to the pool's size.
-    rng = np.random.default_rng(11)
-    prompts = np.clip(rng.lognormal(np.log(200), 0.8, 4000), 8, 4000).astype(np.int64)
-    short = LengthSamples(prompt_tokens=prompts, output_tokens=prompts, source="short")
-    model = PrefillModel.build(short, profile, token_budget=8192)
+    model = _short_prompts_on_a_wide_budget(profile)
     workers = 12
     rate = solo_load * workers / model.mean_service_s
     packed_load = rate * model.packed_service_s / workers
@@ -509,10 +515,7 @@ def test_a_pool_packed_almost_to_its_size_waits_with_a_probability_of_at_most_on
     # Short prompts on a wide budget near the packed capacity: the solo load is far
     # beyond the pool, the packed one just under it; the chance of waiting stays a
     # probability and tends to one.
-    rng = np.random.default_rng(11)
-    prompts = np.clip(rng.lognormal(np.log(200), 0.8, 4000), 8, 4000).astype(np.int64)
-    short = LengthSamples(prompt_tokens=prompts, output_tokens=prompts, source="short")
-    model = PrefillModel.build(short, profile, token_budget=8192)
+    model = _short_prompts_on_a_wide_budget(profile)
     workers = 4
     for packed_load in (0.99, 0.9995, 0.99999):
         rate = packed_load * workers / model.packed_service_s
