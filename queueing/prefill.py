@@ -17,8 +17,10 @@ L / tau * t0 + t_tok * L + attention, and the queue drains at N / E[S_packed] - 
 Stability needs lambda * E[S_packed] < N.
 
 The wait is that of a G/G/N queue (``queueing.ggc.ggc_wait_tail``) in this token
-stream: P_w from the busy time per prompt (between packed and solo), the
-exponential tail's rate theta from the packed times (mean and SCV). Bursts on workers
+stream: P_w from the solo times, scaled by the chain of ``queueing.absorption``
+(queued prompts are absorbed by busy workers at boundaries with budget to spare,
+and keep only their own worker busy), the exponential tail's rate theta from the
+packed times (mean and SCV). Bursts on workers
 of alike solo times wait more often than GI/M/N says, as none of the workers a burst
 started frees early: P_w takes the exact GI/D/N ratio for that (``_burst_factor``,
 ``queueing.ggc.gid_wait``), at the weight of the solo times' regularity. Call it W_f, the
@@ -69,7 +71,8 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from queueing.erlang import erlang_b
+from queueing.absorption import admitted_pmf, all_busy_probability, excursion_ratio
+from queueing.erlang import erlang_c
 from queueing.ggc import WaitTail, arrival_transform, ggc_wait_tail, gid_wait
 from queueing.lengths import FloatArray, LengthSamples, Strata, stratify
 from queueing.profile import IterationProfile
@@ -616,6 +619,9 @@ class PrefillModel:
     iteration_s: float  # D: one full iteration of tau tokens
     lone_iteration_s: float  # length-biased mean iteration of prompts run alone
     spare_boundaries: float  # per prompt run alone: boundaries with budget to spare
+    # The law of the prompts a boundary with budget to spare admits from a long queue
+    # (``queueing.absorption.admitted_pmf``): index k is P(K = k).
+    admitted: FloatArray
     pair_min_share: float  # E[min(S1, S2)] / E[S] of the solo times: 1/2 exponential, 1 equal
     token_budget: int
     _floors: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
@@ -673,6 +679,15 @@ class PrefillModel:
             # A lone prompt leaves budget over at the start of its last chunk and at
             # its end: min(chunks, 2) boundaries.
             spare_boundaries=float(np.minimum(iterations, 2.0).mean()),
+            # Those boundaries' rooms: a whole budget at a prompt's end, what its last
+            # chunk leaves at the start of a multi-chunk prompt's last chunk.
+            admitted=admitted_pmf(
+                lengths,
+                token_budget,
+                room_tokens=np.concatenate(
+                    [np.full(lengths.size, float(token_budget)), spare[multi]]
+                ),
+            ),
             pair_min_share=pair_min_share(service),
             token_budget=token_budget,
         )
@@ -740,26 +755,20 @@ class PrefillModel:
         return min(busy_s, ceiling_s)
 
     def wait_tail(self, *, workers: int, arrival_rate_rps: float, ca2: float) -> WaitTail:
-        """Tail of the stream wait W_f: P_w of the two-rate chain (solo time while a
-        worker is idle, packed once all are busy), the rate at the packed times.
-        Raises ``UnstableQueueError`` when overloaded."""
+        """Tail of the stream wait W_f: P_w of the absorbing chain (a prompt that
+        finds an idle worker runs alone; one that finds none is absorbed by a busy
+        worker at a boundary with budget to spare, ``queueing.absorption``), the rate
+        at the packed times. Raises ``UnstableQueueError`` when overloaded."""
         if not self.is_stable(workers=workers, arrival_rate_rps=arrival_rate_rps):
             raise UnstableQueueError(
                 f"prefill_workers: {workers} workers cannot serve "
                 f"{arrival_rate_rps:.4g} req/s of {self.packed_service_s:.4g} s prompts"
             )
         stream = self._stream_tail(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2)
-        # While a worker is idle, arrivals start alone (the solo time); once all are
-        # busy the queue drains as a token stream (the packed time): the two-rate
-        # chain of ``_stream_drain_factor``. The chain holds at any solo load (its
-        # Erlang B is a loss system's), but the GI/M/N value it scales needs
-        # lambda * solo < N, so only a solo load at the pool's size is held just
-        # below it. (Holding it at the busy time's ceiling, halfway from the packed
-        # time to N / lambda, put the chance of waiting of seed 2027 #25, 12 workers
-        # at a solo load of 0.84 and a packed one of 0.44, at 0.12 against 0.25
-        # simulated.)
-        # Never below the packed time, which the stability check keeps under N / lambda
-        # (the chain's factor is then 1, not above it).
+        # GI/M/N at the solo time (a worker that takes a prompt while others are idle
+        # runs it alone) needs lambda * solo < N, so a solo load at the pool's size is
+        # held just below it, and never below the packed time, which the stability
+        # check keeps under N / lambda.
         alone_s = min(
             self.mean_service_s,
             max(self.packed_service_s, _SOLO_LOAD_HELD * workers / arrival_rate_rps),
@@ -772,12 +781,38 @@ class PrefillModel:
             cs2=self.service_scv,
         ).wait_probability
         p_wait = min(1.0, p_wait * self._burst_factor(workers, arrival_rate_rps, alone_s, ca2))
-        p_wait *= _stream_drain_factor(
-            workers=workers,
-            busy_load=arrival_rate_rps * alone_s,
-            packed_load=arrival_rate_rps * self.packed_service_s,
-        )
+        # Queued prompts are absorbed by busy workers at their boundaries with budget
+        # to spare (``queueing.absorption``): for Poisson arrivals P_w is that chain's
+        # all-busy probability, and it scales the GI/M/N value of other arrivals by
+        # its ratio to Erlang C. (A queue drained as a shared token stream, the chain
+        # used before, put seed 2026 #6's P_w at 0.052 against 0.035 simulated, and
+        # 0.142 against 0.106 on 29 of its workers.)
+        p_wait *= self._absorption_factor(workers, arrival_rate_rps, alone_s)
         return WaitTail(wait_probability=min(1.0, p_wait), decay_rate_per_s=stream.decay_rate_per_s)
+
+    def _absorption_factor(self, workers: int, arrival_rate_rps: float, alone_s: float) -> float:
+        """P(every worker busy) of the absorbing pool over Erlang C at ``alone_s``:
+        exactly the absorbing chain's P_w for Poisson arrivals."""
+        boundary_rate_per_s = workers * self.spare_boundaries / self.mean_service_s
+        excursion = excursion_ratio(
+            arrival_rate_rps=arrival_rate_rps,
+            boundary_rate_per_s=boundary_rate_per_s,
+            admitted=self.admitted,
+        )
+        # Of the boundaries with budget to spare, 1 / E[min(chunks, 2)] are prompts'
+        # ends: a queue admitted there gives one prompt the finished one's place, and
+        # an excursion admits 1 + X prompts on average; the rest run beside a
+        # worker's own work.
+        extra_share = max(0.0, 1.0 - 1.0 / (self.spare_boundaries * (1.0 + excursion)))
+        absorbing = all_busy_probability(
+            workers=workers,
+            arrival_rate_rps=arrival_rate_rps,
+            solo_s=self.mean_service_s,
+            absorbed_s=self.packed_service_s,
+            excursion=excursion,
+            extra_share=extra_share,
+        )
+        return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
 
     @property
     def _synchrony_weight(self) -> float:
@@ -825,7 +860,10 @@ class PrefillModel:
                 ca2=scv,
                 cs2=1.0,
             ).wait_probability
-            return equal / exponential if min(equal, exponential) > 1e-12 else 1.0
+            # GI/D/N's chance falls below what its sums resolve well before GI/M/N's
+            # (for smooth arrivals, many decades): the ratio is then ~0, not 1 (which
+            # made P_w jump up a hundredfold as a worker was added).
+            return max(equal, 0.0) / exponential if exponential > 1e-12 else 1.0
 
         return _kept(
             self._burst_factors,
@@ -1106,26 +1144,6 @@ def mg1_wait_quantile_s(
     return None
 
 
-def _stream_drain_factor(*, workers: int, busy_load: float, packed_load: float) -> float:
-    """P(wait) of a pool whose workers, once all busy, drain the queue as a token
-    stream, over the Erlang C of one that drains it at the busy rate.
-
-    While some worker is idle every arrival starts alone on one (departures at the
-    busy rate, N mu for N busy); once all are busy arrivals queue and are taken at
-    boundaries with budget to spare, which drains the queue at the packed rate
-    N mu_p. The birth-death chain with those two rates has, with B = Erlang B(N, A)
-    at the busy load A, P(all busy) = B / (1 - rho_p + rho_p B) (rho_p the packed
-    utilisation), against Erlang C's B / (1 - rho + rho B); the factor is their
-    ratio, <= 1, and exactly 1 when packed and busy times agree. For non-Poisson
-    arrivals it scales the GI/M/N value (an approximation: the exact two-rate
-    GI/M/N boundary sums are not evaluated).
-    """
-    rho = busy_load / workers
-    rho_p = packed_load / workers
-    b = erlang_b(workers, busy_load)
-    return (1.0 - rho + rho * b) / (1.0 - rho_p + rho_p * b)
-
-
 def survival_of_sum(values_s: FloatArray, weights: FloatArray, tail: WaitTail, x_s: float) -> float:
     """P(W + S > x) for S on the sorted atoms ``values_s`` and W with ``tail``."""
     above = values_s > x_s
@@ -1173,8 +1191,11 @@ def mixed_atoms_quantile(
     next_atom = np.append(values_s[1:], np.inf)
     right_end = mass_above + np.exp(log_e - theta * next_atom)
     # A tolerance keeps a quantile that falls exactly on a class edge (the classes
-    # have equal masses) from jumping between neighbouring atoms on rounding noise.
-    tolerance = 1e-12
+    # have equal masses) from jumping between neighbouring atoms on rounding noise,
+    # and on masses too small to mean anything for a quantile (a chance of waiting of
+    # 1e-10, which the GI/M/N sums do not resolve monotonically in N, flipped a P99
+    # between two atoms as workers were added).
+    tolerance = 1e-9
     k = int(np.argmax(right_end <= p + tolerance))  # the last segment always qualifies
     gap = p - float(mass_above[k])
     if gap <= tolerance or log_e[k] == -math.inf:
