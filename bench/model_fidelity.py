@@ -27,12 +27,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+# One BLAS thread per process: these benches run a process per core, and a threaded
+# LAPACK call (the prefill model's banded solve) then oversubscribes the cores and
+# runs a hundred times slower. Set before numpy is first imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
