@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from queueing.absorption import excursion_ratio
 from queueing.catalog import MODELS, resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.profile import IterationProfile
@@ -441,6 +442,7 @@ class _Waiting:
     """What one simulated run says about the prompts that wait (``_simulated_waiting``)."""
 
     share: float  # of arrivals that find no idle prefill worker
+    queued_share: float  # ... and prompts queued ahead of them (a queue's excursion)
     p99_s: float  # P99 TTFT
     longer_share: float  # of those that waited: ran more iterations than alone
     ahead_budgets: float  # of those that waited: mean tokens ahead in their first iteration
@@ -470,6 +472,7 @@ def _simulated_waiting(
     cluster = sim.cluster.Cluster(config, trace)
     count = len(trace.arrival_s)
     none_idle = np.zeros(count, dtype=bool)
+    queue_ahead = np.zeros(count, dtype=bool)
     ahead = np.zeros(count)  # tokens before its first chunk in the iteration that admits it
     iterations = np.zeros(count)
     on_arrival = cluster._on_arrival
@@ -477,6 +480,7 @@ def _simulated_waiting(
 
     def recording(r: int) -> None:
         none_idle[r] = all(w.plan is not None for w in cluster._prefill)
+        queue_ahead[r] = len(cluster._prefill_queue) > 0
         on_arrival(r)
 
     def admitting(worker: Any, plan: StepPlan) -> None:
@@ -496,6 +500,7 @@ def _simulated_waiting(
     alone = np.ceil(trace.prompt_tokens / model.token_budget)
     return _Waiting(
         share=float(waited.sum() / steady.sum()),
+        queued_share=float((waited & queue_ahead).sum() / steady.sum()),
         p99_s=float(np.quantile(results.ttft_s[steady], 0.99)),
         longer_share=float((iterations[waited] > alone[waited]).mean()),
         ahead_budgets=float(ahead[waited].mean() / model.token_budget),
@@ -525,9 +530,17 @@ def probe_wait(
         predicted_s = model.prefill.ttft_quantile_s(
             workers=n, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
         )
+        boundary_rate = n * model.prefill.spare_boundaries / model.prefill.mean_service_s
+        excursion = excursion_ratio(
+            arrival_rate_rps=rate,
+            boundary_rate_per_s=boundary_rate,
+            admitted=model.prefill.admitted,
+        )
         print(
             f"  N {n}: arrivals finding no idle prefill worker {run.share:.3f} simulated, "
-            f"P_w {tail.wait_probability:.3f} model (theta D "
+            f"P_w {tail.wait_probability:.3f} model; of those, with prompts queued ahead: "
+            f"X = queued / not {run.queued_share / (run.share - run.queued_share):.3f} "
+            f"simulated, {excursion:.3f} model (theta D "
             f"{tail.decay_rate_per_s * model.prefill.iteration_s:.3g}); P99 TTFT "
             f"{run.p99_s:.4f} s simulated, {predicted_s:.4f} s model; of the prompts that "
             f"waited, {run.longer_share:.3f} ran more iterations than alone, with "
