@@ -226,6 +226,23 @@ def test_poisson_arrivals_wait_as_the_absorbing_chain_says_at_any_solo_load(
     assert got > blocking
 
 
+@pytest.mark.parametrize("packed_load", [0.3, 0.7, 0.95])
+def test_one_worker_is_found_busy_for_the_share_of_time_it_is_busy(
+    samples: LengthSamples, profile: IterationProfile, packed_load: float
+) -> None:
+    # Poisson arrivals see time averages: the worker is busy for lambda times its busy
+    # time per prompt, the solo time for a prompt that found it idle and the packed
+    # time for one it absorbed, so P = lambda (S_p + (1 - P)(S - S_p)).
+    model = PrefillModel.build(samples, profile, token_budget=512)
+    rate = packed_load / model.packed_service_s
+    solo_load = rate * model.mean_service_s
+    busy = rate * model.packed_service_s + rate * (model.mean_service_s - model.packed_service_s)
+    got = model.wait_tail(workers=1, arrival_rate_rps=rate, ca2=1.0).wait_probability
+    expected = solo_load / (1.0 + rate * (model.mean_service_s - model.packed_service_s))
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got < min(1.0, busy)
+
+
 def test_while_prompts_queue_the_wait_decays_at_the_packed_drain_rate(
     samples: LengthSamples, profile: IterationProfile
 ) -> None:
