@@ -146,8 +146,11 @@ def all_busy_probability(
     Without extras (``extra_share`` 0) the chain is Erlang's loss system, so P_N is
     Erlang B at the solo load, whatever the solo times' law; with them the pool stays
     all-busy longer than Erlang B says, but not as long as a queue drained at the
-    packed rate (which lets any worker take any queued work) — until the extras
-    reach the pool's packed capacity, where every worker holds some and P -> 1.
+    packed rate (which lets any worker take any queued work). P = 1 once the extras
+    alone outgrow the pool (lambda x ``absorbed_s`` >= N); short of that a lone
+    prompt frees at its solo rate whatever the backlog, so near the packed capacity
+    P stays somewhat below one (the wait's rate, which vanishes there, carries the
+    saturation).
     """
     if workers < 1:
         raise ValueError(f"workers: must be >= 1, got {workers!r}")
