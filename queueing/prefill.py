@@ -793,6 +793,15 @@ class PrefillModel:
     def _absorption_factor(self, workers: int, arrival_rate_rps: float, alone_s: float) -> float:
         """P(every worker busy) of the absorbing pool over Erlang C at ``alone_s``:
         exactly the absorbing chain's P_w for Poisson arrivals."""
+        if workers == 1:
+            # One worker: Poisson arrivals find it busy for the fraction of time it is
+            # (PASTA), lambda times its busy time per prompt, which is the solo time
+            # for a prompt that found it idle and the packed time for one it absorbed:
+            # P = lambda (S_p + (1 - P)(S - S_p)), so P = A / (1 + A - rho_p).
+            solo_load = arrival_rate_rps * self.mean_service_s
+            packed_load = arrival_rate_rps * self.packed_service_s
+            absorbing = solo_load / (1.0 + solo_load - packed_load)
+            return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
         boundary_rate_per_s = workers * self.spare_boundaries / self.mean_service_s
         excursion = excursion_ratio(
             arrival_rate_rps=arrival_rate_rps,
@@ -804,15 +813,6 @@ class PrefillModel:
         # an excursion admits 1 + X prompts on average; the rest run beside a
         # worker's own work.
         extra_share = max(0.0, 1.0 - 1.0 / (self.spare_boundaries * (1.0 + excursion)))
-        if workers == 1:
-            # One worker: Poisson arrivals find it busy for the fraction of time it is
-            # (PASTA), lambda times its busy time per prompt, which is the solo time
-            # for a prompt that found it idle and the packed time for one it absorbed:
-            # P = lambda (S_p + (1 - P)(S - S_p)), so P = A / (1 + A - rho_p).
-            solo_load = arrival_rate_rps * self.mean_service_s
-            packed_load = arrival_rate_rps * self.packed_service_s
-            absorbing = solo_load / (1.0 + solo_load - packed_load)
-            return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
         absorbing = all_busy_probability(
             workers=workers,
             arrival_rate_rps=arrival_rate_rps,
