@@ -1,9 +1,10 @@
 """Decode pool: the P99 TPOT of M workers with continuous batching (DESIGN §3.3).
 
 A request with ``out`` output tokens gets its first token from the prefill worker,
-its KV cache crosses the link (handoff ``h``), it joins a decode worker at that
-worker's next iteration boundary (residual ``R``), and then needs ``n = out - 1``
-iterations, each of which gives every member of the batch one token:
+its KV cache crosses the link (handoff ``h``), it joins the first decode worker to
+reach an iteration boundary (residual ``R``, ``first_boundary_residual``), and then
+needs ``n = out - 1`` iterations, each of which gives every member of the batch one
+token:
 
     TPOT = (t_last - t_first) / n = (h + R) / n + mean over its n iterations of T
 
@@ -323,15 +324,17 @@ class DecodeModel:
         state = self.load(workers=workers, arrival_rate_rps=arrival_rate_rps, ca2=ca2, quantile=0.5)
         b = state.mean_batch
         t_iter = state.iteration_s
-        busy = 1.0 - math.exp(-b)  # an idle worker takes a new member at once
+        residual_mean_s, residual_var_s2 = first_boundary_residual(
+            workers=workers, iteration_s=t_iter, busy=1.0 - math.exp(-b)
+        )
         # The others' share of a member's step: the mean step less t0 and its own cost.
         others_s = t_iter - self.t0_s - self.member_cost_s
-        mean = self.fixed_tpot_s + others_s + 0.5 * t_iter * busy * self.inv_steps
+        mean = self.fixed_tpot_s + others_s + residual_mean_s * self.inv_steps
         var_inst = b * self.member_cost_sq_s2
         var = (
             self.fixed_var_s2
             + var_inst * self._averaged_spread(state)
-            + (t_iter * busy) ** 2 / 12.0 * self.inv_steps_sq
+            + residual_var_s2 * self.inv_steps_sq
         )
         sd = np.sqrt(np.maximum(var, 1e-30))
         # The batch cost is a compound infinite-server sum of the members' costs,
@@ -370,6 +373,27 @@ class DecodeModel:
             cached = _mixture_quantile(self.weights, mean, sd, skew, quantile)
             self._floors[quantile] = cached
         return cached
+
+
+def first_boundary_residual(
+    *, workers: int, iteration_s: float, busy: float
+) -> tuple[float, float]:
+    """Mean and variance of R, the wait of a request at the decode queue's head for a
+    worker to take it: at once when a worker is idle, else at the first of the M
+    workers' next iteration boundaries: the decode pool is one shared queue whose
+    head any worker with room takes at its boundary (``sim.cluster``, and the
+    decode workers of ``workers.decode_worker``).
+
+    A worker that is busy with probability ``busy`` (independently of the others) is
+    met in a uniform phase of its iteration T, so with all M busy R is the least of
+    M uniforms on (0, T): E[R] = T / (M + 1), E[R^2] = 2 T^2 / ((M + 1)(M + 2)).
+    Spread over a request's n tokens, R matters for short outputs.
+    """
+    m = float(workers)
+    all_busy = busy**workers
+    mean_s = all_busy * iteration_s / (m + 1.0)
+    second_s2 = all_busy * 2.0 * iteration_s**2 / ((m + 1.0) * (m + 2.0))
+    return mean_s, max(second_s2 - mean_s**2, 0.0)
 
 
 def _gamma_pair_excess(*, x: float, ca2: float) -> float:
