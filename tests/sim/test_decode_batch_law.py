@@ -27,9 +27,8 @@ import sim.decode_worker
 from queueing.decode import DecodeModel
 from queueing.lengths import LengthSamples
 from queueing.profile import IterationProfile
-from sim.cluster import Cluster, ClusterConfig
-from sim.trace import Trace
 from sim.workload import gamma_arrivals
+from tests.sim.decode_only import run_decode_only
 
 T0_S, COST_S = 0.005, 0.001  # c = t0 / a = 5
 # Not tests.profiles.TEST_8B: for the batch law to hold exactly every member must
@@ -77,13 +76,6 @@ def simulated_batch(
         arrivals = np.cumsum(rng.exponential(1.0 / rate, int(rate * duration_s)))
     else:
         arrivals = gamma_arrivals(rate_rps=rate, ca2=ca2, duration_s=duration_s, rng=rng)
-    count = len(arrivals)
-    trace = Trace(
-        arrival_s=arrivals - arrivals[0],
-        prompt_tokens=np.ones(count, dtype=np.int64),
-        output_tokens=outputs[:count],
-        source="gps",
-    )
     owner: dict[int, int] = {}
     admit = sim.decode_worker.DecodeWorker.admit
 
@@ -91,16 +83,9 @@ def simulated_batch(
         owner[request] = id(self)
         admit(self, request, **kw)  # type: ignore[arg-type]
 
-    config = ClusterConfig(
-        prefill_workers=64,
-        decode_workers=workers,
-        profile=PROFILE,
-        token_budget=4096,
-        kv_link_bytes_per_s=1e12,
-    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sim.decode_worker.DecodeWorker, "admit", recording)
-        results = Cluster(config, trace).run()
+        results = run_decode_only(arrivals, outputs, workers=workers, profile=PROFILE)
     start_s, end_s = 0.1 * duration_s, 0.95 * duration_s
     edges = np.linspace(start_s, end_s, 11)
     means, ratios = [], []

@@ -11,6 +11,7 @@ from the simulator's own timestamps (taken by a worker less ready for it).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -18,29 +19,27 @@ import numpy as np
 import pytest
 
 from queueing.decode import first_boundary_residual
-from queueing.profile import IterationProfile
-from sim.cluster import Cluster, ClusterConfig
-from sim.trace import Trace
+from tests.profiles import TEST_8B
+from tests.sim.decode_only import run_decode_only
 
-T0_S, COST_S = 0.020, 0.0002  # T = 20 ms + 0.2 ms per member: nearly constant
-PROFILE = IterationProfile(
+# Not TEST_8B's coefficients: for the closed form's uniform phase the iteration must
+# hardly vary, so a large fixed cost, a small per-member one and no context terms
+# (20 ms + 0.2 ms per member), and a KV cache that never blocks.
+PROFILE = dataclasses.replace(
+    TEST_8B,
     name="near-constant-iteration",
-    model="none",
-    hardware="none",
-    tensor_parallel=1,
-    t0_s=T0_S,
-    t_tok_s=COST_S,
+    t0_s=0.020,
+    t_tok_s=0.0002,
     t_kv_s=0.0,
     t_attn_s=0.0,
     kv_capacity_tokens=10_000_000,
-    kv_bytes_per_token=1,
-    startup_s=0.0,
-    source="closed-form test",
 )
 T_975_9 = 2.262
 
 
-def simulated_waits(workers: int, members_per_worker: float, duration_s: float, seed: int):
+def simulated_waits(
+    workers: int, members_per_worker: float, duration_s: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, float]:
     """Per batch of the run (10 of them): the mean and mean square of the head's wait,
     and the mean iteration time."""
     rng = np.random.default_rng(seed)
@@ -48,24 +47,10 @@ def simulated_waits(workers: int, members_per_worker: float, duration_s: float, 
     steps = float((outputs - 1).mean())
     # Little's law in iterations: a worker holding B members at iteration T takes B / E[n]
     # requests per iteration.
-    iteration_s = T0_S + COST_S * members_per_worker
+    iteration_s = PROFILE.t0_s + PROFILE.t_tok_s * members_per_worker
     rate = workers * members_per_worker / (steps * iteration_s)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, int(rate * duration_s)))
-    count = len(arrivals)
-    trace = Trace(
-        arrival_s=arrivals - arrivals[0],
-        prompt_tokens=np.ones(count, dtype=np.int64),
-        output_tokens=outputs[:count],
-        source="residual",
-    )
-    config = ClusterConfig(
-        prefill_workers=64,
-        decode_workers=workers,
-        profile=PROFILE,
-        token_budget=4096,
-        kv_link_bytes_per_s=1e12,
-    )
-    results = Cluster(config, trace).run()
+    results = run_decode_only(arrivals, outputs, workers=workers, profile=PROFILE)
     wait = results.decode_start_s - results.kv_ready_s
     edges = np.linspace(0.1 * duration_s, 0.95 * duration_s, 11)
     means, squares = [], []
