@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from queueing.absorption import excursion_ratio
 from queueing.catalog import MODELS, resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.profile import IterationProfile
@@ -530,12 +529,7 @@ def probe_wait(
         predicted_s = model.prefill.ttft_quantile_s(
             workers=n, arrival_rate_rps=rate, ca2=case.ca2, quantile=0.99
         )
-        boundary_rate = n * model.prefill.spare_boundaries / model.prefill.mean_service_s
-        excursion = excursion_ratio(
-            arrival_rate_rps=rate,
-            boundary_rate_per_s=boundary_rate,
-            admitted=model.prefill.admitted,
-        )
+        excursion = model.prefill.excursion(workers=n, arrival_rate_rps=rate)
         print(
             f"  N {n}: arrivals finding no idle prefill worker {run.share:.3f} simulated, "
             f"P_w {tail.wait_probability:.3f} model; of those, with prompts queued ahead: "

@@ -619,9 +619,11 @@ class PrefillModel:
     iteration_s: float  # D: one full iteration of tau tokens
     lone_iteration_s: float  # length-biased mean iteration of prompts run alone
     spare_boundaries: float  # per prompt run alone: boundaries with budget to spare
-    # The law of the prompts a boundary with budget to spare admits from a long queue
-    # (``queueing.absorption.admitted_pmf``): index k is P(K = k).
+    # The law of the prompts a busy worker admits from a long queue at the boundary
+    # where it takes queued work (``queueing.absorption.admitted_pmf``): index k is
+    # P(K = k).
     admitted: FloatArray
+    one_chunk_share: float  # P(a prompt fits one iteration)
     pair_min_share: float  # E[min(S1, S2)] / E[S] of the solo times: 1/2 exponential, 1 equal
     token_budget: int
     _floors: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
@@ -679,15 +681,14 @@ class PrefillModel:
             # A lone prompt leaves budget over at the start of its last chunk and at
             # its end: min(chunks, 2) boundaries.
             spare_boundaries=float(np.minimum(iterations, 2.0).mean()),
-            # Those boundaries' rooms: a whole budget at a prompt's end, what its last
-            # chunk leaves at the start of a multi-chunk prompt's last chunk.
+            # While prompts queue, a busy worker takes queued work once per prompt it
+            # serves: at a one-chunk prompt's end, with the whole budget, and at a
+            # multi-chunk prompt's last-chunk start, with what that chunk leaves (its
+            # end then has no room: the prompt taken runs on).
             admitted=admitted_pmf(
-                lengths,
-                token_budget,
-                room_tokens=np.concatenate(
-                    [np.full(lengths.size, float(token_budget)), spare[multi]]
-                ),
+                lengths, token_budget, room_tokens=np.where(multi, spare, float(token_budget))
             ),
+            one_chunk_share=float(np.mean(~multi)),
             pair_min_share=pair_min_share(service),
             token_budget=token_budget,
         )
@@ -802,17 +803,14 @@ class PrefillModel:
             packed_load = arrival_rate_rps * self.packed_service_s
             absorbing = solo_load / (1.0 + solo_load - packed_load)
             return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
-        boundary_rate_per_s = workers * self.spare_boundaries / self.mean_service_s
-        excursion = excursion_ratio(
-            arrival_rate_rps=arrival_rate_rps,
-            boundary_rate_per_s=boundary_rate_per_s,
-            admitted=self.admitted,
-        )
-        # Of the boundaries with budget to spare, 1 / E[min(chunks, 2)] are prompts'
-        # ends: a queue admitted there gives one prompt the finished one's place, and
-        # an excursion admits 1 + X prompts on average; the rest run beside a
-        # worker's own work.
-        extra_share = max(0.0, 1.0 - 1.0 / (self.spare_boundaries * (1.0 + excursion)))
+        excursion = self.excursion(workers=workers, arrival_rate_rps=arrival_rate_rps)
+        # An excursion admits 1 + X prompts on average. The first takes a finished
+        # prompt's place; at a one-chunk prompt's end so do none of the rest, which run
+        # beside the first, while a multi-chunk prompt's worker takes its next one at
+        # its last chunk's start, one iteration before its end, and that prompt then
+        # runs in the finished one's place as well (for the pool's all-busy time it is
+        # the next prompt of an M/G/N worker, taken early).
+        extra_share = self.one_chunk_share * excursion / (1.0 + excursion)
         absorbing = all_busy_probability(
             workers=workers,
             arrival_rate_rps=arrival_rate_rps,
@@ -822,6 +820,17 @@ class PrefillModel:
             extra_share=extra_share,
         )
         return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
+
+    def excursion(self, *, workers: int, arrival_rate_rps: float) -> float:
+        """X: the time queued prompts wait over the all-busy time without a queue
+        (``queueing.absorption.excursion_ratio``). A busy worker takes queued work once
+        per prompt it serves, so while every worker is busy such boundaries come at
+        N / E[S], each admitting K prompts (``admitted``)."""
+        return excursion_ratio(
+            arrival_rate_rps=arrival_rate_rps,
+            boundary_rate_per_s=workers / self.mean_service_s,
+            admitted=self.admitted,
+        )
 
     @property
     def _synchrony_weight(self) -> float:
