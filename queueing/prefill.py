@@ -804,12 +804,12 @@ class PrefillModel:
             absorbing = solo_load / (1.0 + solo_load - packed_load)
             return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
         excursion = self.excursion(workers=workers, arrival_rate_rps=arrival_rate_rps)
-        # An excursion admits 1 + X prompts on average. The first takes a finished
-        # prompt's place; at a one-chunk prompt's end so do none of the rest, which run
-        # beside the first, while a multi-chunk prompt's worker takes its next one at
-        # its last chunk's start, one iteration before its end, and that prompt then
-        # runs in the finished one's place as well (for the pool's all-busy time it is
-        # the next prompt of an M/G/N worker, taken early).
+        # An excursion admits 1 + X prompts on average, the first in a finished
+        # prompt's place. At a one-chunk prompt's end the rest run beside it (extras);
+        # a multi-chunk prompt's worker takes its next prompt at its last chunk's
+        # start, one iteration before its end, and that prompt too runs in the
+        # finished one's place: for the pool's all-busy time it is an M/G/N worker's
+        # next prompt, taken early.
         extra_share = self.one_chunk_share * excursion / (1.0 + excursion)
         absorbing = all_busy_probability(
             workers=workers,
@@ -822,7 +822,7 @@ class PrefillModel:
         return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
 
     def excursion(self, *, workers: int, arrival_rate_rps: float) -> float:
-        """X: the time queued prompts wait over the all-busy time without a queue
+        """X: the all-busy time with prompts queued over the all-busy time without
         (``queueing.absorption.excursion_ratio``). A busy worker takes queued work once
         per prompt it serves, so while every worker is busy such boundaries come at
         N / E[S], each admitting K prompts (``admitted``)."""
