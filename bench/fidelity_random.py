@@ -155,9 +155,9 @@ def row(r: CaseResult) -> str:
     return (
         f"{c.index:>3} {c.label[:43]:<44}{c.profile.name:<26}{c.ca2:>4.0f}"
         f"{c.utilisation:>6.2f}{c.prefill_workers:>4}{r.decode_workers:>4} "
-        f"{r.ttft_pred_s:>10.4f}{r.ttft_sim.mean_s:>9.4f}{100 * r.ttft_sim.relative_ci:>6.1f}"
+        f"{r.ttft_pred_s:>10.4f}{r.ttft_sim.estimate_s:>9.4f}{100 * r.ttft_sim.relative_ci:>6.1f}"
         f"{100 * r.ttft_err:>+7.1f} "
-        f"{1e3 * r.tpot_pred_s:>9.2f}{1e3 * r.tpot_sim.mean_s:>8.2f}"
+        f"{1e3 * r.tpot_pred_s:>9.2f}{1e3 * r.tpot_sim.estimate_s:>8.2f}"
         f"{100 * r.tpot_sim.relative_ci:>6.1f}{100 * r.tpot_err:>+7.1f}  "
         f"{_dec(r.prefill_decision):>9} {_dec(r.decode_decision):>9}{r.replications:>5}"
     )
@@ -253,8 +253,8 @@ def _simulated_half(r: CaseResult) -> dict[str, object]:
         "index": r.case.index,
         "case_seed": r.case.seed,
         "decode_workers": r.decode_workers,
-        "ttft_sim": [r.ttft_sim.mean_s, r.ttft_sim.half_width_s],
-        "tpot_sim": [r.tpot_sim.mean_s, r.tpot_sim.half_width_s],
+        "ttft_sim": [r.ttft_sim.estimate_s, r.ttft_sim.half_width_s],
+        "tpot_sim": [r.tpot_sim.estimate_s, r.tpot_sim.half_width_s],
         "prefill_decision": decision(r.prefill_decision),
         "decode_decision": decision(r.decode_decision),
         "replications": r.replications,
@@ -281,9 +281,9 @@ def _from_simulated_half(saved: dict[str, Any], case: Case) -> CaseResult:
         case=case,
         decode_workers=int(saved["decode_workers"]),
         ttft_pred_s=math.nan,
-        ttft_sim=Measured(mean_s=saved["ttft_sim"][0], half_width_s=saved["ttft_sim"][1]),
+        ttft_sim=Measured(estimate_s=saved["ttft_sim"][0], half_width_s=saved["ttft_sim"][1]),
         tpot_pred_s=math.nan,
-        tpot_sim=Measured(mean_s=saved["tpot_sim"][0], half_width_s=saved["tpot_sim"][1]),
+        tpot_sim=Measured(estimate_s=saved["tpot_sim"][0], half_width_s=saved["tpot_sim"][1]),
         prefill_decision=decision(saved["prefill_decision"]),
         decode_decision=decision(saved["decode_decision"]),
         replications=int(saved["replications"]),
@@ -371,9 +371,10 @@ def probe_burst(*, seed: int, cases: int, index: int, requests: int, replication
         )
         print(
             f"  ca2 {ca2:g}: P99 TTFT predicted {result.ttft_pred_s:.4f} s, simulated "
-            f"{result.ttft_sim.mean_s:.4f} s +- {100 * result.ttft_sim.relative_ci:.1f} % "
+            f"{result.ttft_sim.estimate_s:.4f} s +- {100 * result.ttft_sim.relative_ci:.1f} % "
             f"({100 * result.ttft_err:+.1f} %); P99 TPOT predicted "
-            f"{1e3 * result.tpot_pred_s:.2f} ms, simulated {1e3 * result.tpot_sim.mean_s:.2f} ms "
+            f"{1e3 * result.tpot_pred_s:.2f} ms, simulated "
+            f"{1e3 * result.tpot_sim.estimate_s:.2f} ms "
             f"+- {100 * result.tpot_sim.relative_ci:.1f} % ({100 * result.tpot_err:+.1f} %)",
             flush=True,
         )

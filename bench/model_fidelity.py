@@ -10,8 +10,9 @@ use is at most the same utilisation (and whose P99 batch and KV fit).
 ``u_sim`` is the simulated prefill busy time over (workers x the arrival span).
 The simulated P99 has sampling noise that an order-statistic interval understates
 (queueing waits are autocorrelated), so each row is simulated with ``--replications``
-independent seeds; the error is against the mean of their P99s and ``ci%`` is the
-half-width of a t-interval (95 %) over the replications, relative to the mean.
+independent seeds; the error is against the P99 of their measured requests pooled and
+``ci%`` is the half-width of its 95 % sectioning interval, relative to it
+(``sim.fidelity.quantile_measured``).
 
     .venv/bin/python bench/model_fidelity.py            # full table (~5 min, 2 cores)
     .venv/bin/python bench/model_fidelity.py --quick    # fewer requests and rows
@@ -26,7 +27,6 @@ half-width of a t-interval (95 %) over the replications, relative to the mean.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from queueing.catalog import resolve_profile
 from queueing.solver import CapacityModel, KvLink
 from sim.cluster import Cluster, ClusterConfig
-from sim.fidelity import steady_window, transient_s
+from sim.fidelity import quantile_measured, steady_window, transient_s
 from sim.trace_io import load_lengths
 from sim.workload import gamma_arrivals, synthesize
 
@@ -89,18 +89,6 @@ class Row:
         return self.tpot_pred_s / self.tpot_sim_s - 1.0
 
 
-T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 7: 2.36, 9: 2.26}
-
-
-def mean_ci(values: list[float]) -> tuple[float, float]:
-    """Mean and the relative half-width of its 95 % t-interval."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, math.nan
-    half = T_975.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, half / mean
-
-
 def decode_workers_for(model: CapacityModel, rate: float, ca2: float, u: float) -> int:
     m = 1
     while True:
@@ -133,7 +121,9 @@ def run_row(args: tuple[str, str, float, float, int, int]) -> Row:
         token_budget=model.token_budget,
         kv_link_bytes_per_s=LINK.bytes_per_s,
     )
-    ttft, tpot, busy = [], [], []
+    ttft: list[np.ndarray] = []
+    tpot: list[np.ndarray] = []
+    busy: list[float] = []
     # Measured: the arrivals between a warm-up as long as the decode pool takes to
     # fill and a cool-down as long as it takes to drain (sim.fidelity.transient_s);
     # requests beyond the profile's context are rejected (no TTFT) and left out, as
@@ -148,11 +138,11 @@ def run_row(args: tuple[str, str, float, float, int, int]) -> Row:
         trace = synthesize(arrival_s=arrivals, lengths=lengths, rng=rng, source=mix)
         results = Cluster(config, trace).run()
         steady = (trace.arrival_s >= start_s) & (trace.arrival_s < end_s)
-        ttft.append(float(np.nanquantile(results.ttft_s[steady], 0.99)))
-        tpot.append(float(np.nanquantile(results.tpot_s[steady], 0.99)))
+        ttft.append(results.ttft_s[steady])
+        tpot.append(results.tpot_s[steady])
         busy.append(results.prefill_busy_s / (PREFILL_WORKERS * trace.duration_s))
-    ttft_sim, ttft_ci = mean_ci(ttft)
-    tpot_sim, tpot_ci = mean_ci(tpot)
+    ttft_sim = quantile_measured(ttft)
+    tpot_sim = quantile_measured(tpot)
     kwargs = {"workers": PREFILL_WORKERS, "arrival_rate_rps": rate, "ca2": ca2, "quantile": 0.99}
     return Row(
         mix=mix,
@@ -162,13 +152,13 @@ def run_row(args: tuple[str, str, float, float, int, int]) -> Row:
         decode_workers=m,
         sim_utilisation=statistics.fmean(busy),
         ttft_pred_s=model.prefill.ttft_quantile_s(**kwargs),
-        ttft_sim_s=ttft_sim,
-        ttft_ci=ttft_ci,
+        ttft_sim_s=ttft_sim.estimate_s,
+        ttft_ci=ttft_sim.relative_ci,
         tpot_pred_s=model.decode.tpot_quantile_s(
             workers=m, arrival_rate_rps=rate, ca2=ca2, quantile=0.99
         ),
-        tpot_sim_s=tpot_sim,
-        tpot_ci=tpot_ci,
+        tpot_sim_s=tpot_sim.estimate_s,
+        tpot_ci=tpot_sim.relative_ci,
     )
 
 

@@ -1,5 +1,6 @@
 """The fidelity bench's measurement rules (``sim.fidelity``): the measured window,
-the warm-up against the decode pool's relaxation, and when a pool size is decided."""
+the warm-up against the decode pool's relaxation, how a P99 is estimated from
+replications, and when a pool size is decided."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sim.fidelity import (
     _decide,
     _resolvable,
     draw_cases,
+    quantile_measured,
     rescored,
     run_case,
     steady_window,
@@ -57,10 +59,52 @@ def test_the_warm_up_covers_three_relaxations_of_the_decode_batch() -> None:
     assert transient.cooldown_s == pytest.approx(float(np.quantile(steps, 0.99)) * step_s)
 
 
+def test_the_pooled_p99s_interval_covers_the_true_p99_about_95_times_in_100() -> None:
+    rng = np.random.default_rng(11)
+    true_p99 = -math.log(0.01)  # of the unit exponential
+    trials = 400
+    covered = 0
+    for _ in range(trials):
+        m = quantile_measured([rng.exponential(size=2_000) for _ in range(8)])
+        covered += abs(m.estimate_s - true_p99) <= m.half_width_s
+    # Binomial(400, 0.95): 99.9 % of draws fall in [0.915, 0.98].
+    assert 0.915 <= covered / trials <= 0.98
+
+
+def test_a_tail_that_comes_in_excursions_is_the_pooled_p99_not_the_replications_mean() -> None:
+    # Half the replications hold an excursion: 30 of their 1,000 samples uniform on
+    # [10, 11], the rest uniform on [0, 1]. Of all samples 1.5 % are in [10, 11], so
+    # the P99 solves 0.015 (11 - x) = 0.01: x = 11 - 2/3. A replication's own P99 is
+    # about 10.67 with its excursion and 0.99 without: their mean is far below.
+    rng = np.random.default_rng(5)
+
+    def replication(excursion: bool) -> np.ndarray:
+        high = 30 if excursion else 0
+        return np.concatenate([rng.uniform(0, 1, 1_000 - high), rng.uniform(10, 11, high)])
+
+    replications = [replication(i % 2 == 0) for i in range(400)]
+    m = quantile_measured(replications)
+    assert m.estimate_s == pytest.approx(11 - 2 / 3, rel=0.01)
+    own_mean = float(np.mean([np.quantile(r, 0.99) for r in replications]))
+    assert own_mean < 6.0
+
+
+def test_a_quantile_needs_samples_and_a_level_inside_zero_and_one() -> None:
+    with pytest.raises(ValueError, match="replications"):
+        quantile_measured([])
+    with pytest.raises(ValueError, match="replications"):
+        quantile_measured([np.array([math.nan])])
+    with pytest.raises(ValueError, match="quantile"):
+        quantile_measured([np.ones(3)], quantile=1.0)
+    # Requests with no such latency (NaN) are left out; one replication has no interval.
+    single = quantile_measured([np.array([1.0, math.nan, 2.0])], quantile=0.5)
+    assert single.estimate_s == 1.5 and math.isnan(single.half_width_s)
+
+
 def test_a_pool_is_decided_only_when_the_one_smaller_is_slower_beyond_both_intervals() -> None:
-    at_n = Measured(mean_s=1.0, half_width_s=0.05)
-    clear = Measured(mean_s=1.2, half_width_s=0.05)
-    close = Measured(mean_s=1.08, half_width_s=0.05)
+    at_n = Measured(estimate_s=1.0, half_width_s=0.05)
+    clear = Measured(estimate_s=1.2, half_width_s=0.05)
+    close = Measured(estimate_s=1.08, half_width_s=0.05)
     slo, decided = _decide(at_n, clear, 5, 0.5)
     assert decided == 5
     assert 1.0 < slo < 1.2  # between the two simulated P99s
@@ -71,10 +115,10 @@ def test_a_pool_is_decided_only_when_the_one_smaller_is_slower_beyond_both_inter
 
 
 def test_more_replications_are_run_only_where_they_could_separate_the_sizes() -> None:
-    at_n = Measured(mean_s=1.0, half_width_s=0.05)
-    assert _resolvable(at_n, Measured(mean_s=1.05, half_width_s=0.05))
+    at_n = Measured(estimate_s=1.0, half_width_s=0.05)
+    assert _resolvable(at_n, Measured(estimate_s=1.05, half_width_s=0.05))
     # Both at the latency floor (no prompt waits at either size): 0.5 % apart.
-    assert not _resolvable(at_n, Measured(mean_s=1.005, half_width_s=0.0))
+    assert not _resolvable(at_n, Measured(estimate_s=1.005, half_width_s=0.0))
 
 
 def test_a_rescored_row_is_the_row_a_new_run_would_print() -> None:
