@@ -300,8 +300,8 @@ def report(
     print(
         f"seed {seed}; {len(results)} of {cases} cases; {replications} replications (up to "
         f"{BOUNDARY_REPLICATIONS * replications} near the boundary: reps) of "
-        f"({requests} + 250 N) x max(1, ca2) requests; errors = predicted / mean simulated "
-        "P99 - 1; ci% = 95 % t half-width"
+        f"({requests} + 250 N) x max(1, ca2) requests; errors = predicted / simulated P99 - 1 "
+        "(the replications pooled); ci% = 95 % sectioning half-width"
     )
     print(
         f"{'#':>3} {'family / mix':<44}{'profile':<26}{'ca2':>4}{'u':>6}{'N':>4}{'M':>4} "
