@@ -262,7 +262,7 @@ def main() -> None:
 
     print(
         f"prefill workers {PREFILL_WORKERS}; {replications} replications x {requests} "
-        "requests per row; errors are predicted / mean simulated - 1"
+        "requests per row; errors are predicted / simulated - 1 (replications pooled)"
     )
     header = (
         f"{'mix':<6}{'profile':<26}{'ca2':>4}{'u':>6}{'u_sim':>7}{'M':>4} "
