@@ -34,6 +34,7 @@ from queueing.solver import CapacityModel
 from sim.cluster import ClusterConfig
 from sim.fidelity import (
     LINK,
+    WIDE_INTERVAL,
     Case,
     CaseResult,
     Decision,
@@ -64,6 +65,11 @@ def max_context(profile: IterationProfile) -> int:
 
 # Near the boundary a case gets up to this many times its replications.
 BOUNDARY_REPLICATIONS = 3
+# A case whose simulated P99 has a wide interval (``sim.fidelity.WIDE_INTERVAL``) gets
+# replications up to this many measured requests at its own pools (at least as many
+# as near the boundary): a computing budget, which buys many replications where one
+# is cheap (few workers, where a P99 is the noisiest) and few where it is not.
+WIDE_REQUEST_BUDGET = 200_000
 
 
 def requests_for(workers: int, base: int, ca2: float) -> int:
@@ -78,12 +84,14 @@ def requests_for(workers: int, base: int, ca2: float) -> int:
 
 def _run(args: tuple[Case, LengthSamples, int, int]) -> CaseResult:
     case, samples, base, replications = args
+    requests = requests_for(case.prefill_workers, base, case.ca2)
     return run_case(
         case,
         samples,
-        requests=requests_for(case.prefill_workers, base, case.ca2),
+        requests=requests,
         replications=replications,
         max_replications=BOUNDARY_REPLICATIONS * replications,
+        max_wide_replications=WIDE_REQUEST_BUDGET // requests,
     )
 
 
@@ -299,7 +307,9 @@ def report(
     """The table, the error distributions per arrival class and the decisions."""
     print(
         f"seed {seed}; {len(results)} of {cases} cases; {replications} replications (up to "
-        f"{BOUNDARY_REPLICATIONS * replications} near the boundary: reps) of "
+        f"{BOUNDARY_REPLICATIONS * replications} near the boundary, up to "
+        f"{WIDE_REQUEST_BUDGET:,} requests while an interval is wider than "
+        f"{100 * WIDE_INTERVAL:g} %: reps) of "
         f"({requests} + 250 N) x max(1, ca2) requests; errors = predicted / simulated P99 - 1 "
         "(the replications pooled); ci% = 95 % sectioning half-width"
     )

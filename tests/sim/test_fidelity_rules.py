@@ -14,6 +14,7 @@ from queueing.catalog import MODELS, resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.solver import CapacityModel, KvLink
 from sim.fidelity import (
+    WIDE_INTERVAL,
     Measured,
     Transient,
     _decide,
@@ -99,6 +100,29 @@ def test_a_quantile_needs_samples_and_a_level_inside_zero_and_one() -> None:
     # Requests with no such latency (NaN) are left out; one replication has no interval.
     single = quantile_measured([np.array([1.0, math.nan, 2.0])], quantile=0.5)
     assert single.estimate_s == 1.5 and math.isnan(single.half_width_s)
+
+
+def test_a_wide_interval_gets_replications_up_to_its_own_limit() -> None:
+    profile = resolve_profile("llama-3-8b@h100-sxm")
+    case, samples = draw_cases(
+        1,
+        profiles=[profile],
+        long_profiles=[profile],
+        max_context={profile.name: MODELS[profile.model].max_context_tokens},
+        rng=np.random.default_rng(11),
+        max_utilisation=0.6,
+        arrival_scvs=(1.0,),
+        pool_sizes=(2,),
+    )[0]
+    # 150 measured requests hold one or two beyond the P99: its interval is wide.
+    held = run_case(case, samples, requests=150, replications=2, max_replications=2)
+    assert held.replications == 2
+    assert max(held.ttft_sim.relative_ci, held.tpot_sim.relative_ci) > WIDE_INTERVAL
+    more = run_case(
+        case, samples, requests=150, replications=2, max_replications=2, max_wide_replications=8
+    )
+    narrow = max(more.ttft_sim.relative_ci, more.tpot_sim.relative_ci) <= WIDE_INTERVAL
+    assert more.replications == 8 or (2 < more.replications < 8 and narrow)
 
 
 def test_a_pool_is_decided_only_when_the_one_smaller_is_slower_beyond_both_intervals() -> None:
