@@ -71,6 +71,7 @@ from sim.cluster import Cluster, ClusterConfig
 from sim.trace_io import load_lengths
 from sim.workload import gamma_arrivals, synthesize
 
+FloatArray = npt.NDArray[np.float64]
 _ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = (
     _ROOT / "data/traces/AzureLLMInferenceTrace_conv.csv",
@@ -205,9 +206,6 @@ class Measured:
     @property
     def relative_ci(self) -> float:
         return self.half_width_s / self.estimate_s
-
-
-FloatArray = npt.NDArray[np.float64]
 
 
 def quantile_measured(replications: Sequence[FloatArray], quantile: float = 0.99) -> Measured:

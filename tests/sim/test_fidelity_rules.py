@@ -15,6 +15,7 @@ from queueing.lengths import LengthSamples
 from queueing.solver import CapacityModel, KvLink
 from sim.fidelity import (
     WIDE_INTERVAL,
+    Case,
     Measured,
     Transient,
     _decide,
@@ -102,9 +103,10 @@ def test_a_quantile_needs_samples_and_a_level_inside_zero_and_one() -> None:
     assert single.estimate_s == 1.5 and math.isnan(single.half_width_s)
 
 
-def test_a_wide_interval_gets_replications_up_to_its_own_limit() -> None:
+def _small_poisson_case() -> tuple[Case, LengthSamples]:
+    """One drawn Poisson case on two Llama-3-8B workers at most 60 % utilised."""
     profile = resolve_profile("llama-3-8b@h100-sxm")
-    case, samples = draw_cases(
+    return draw_cases(
         1,
         profiles=[profile],
         long_profiles=[profile],
@@ -114,6 +116,10 @@ def test_a_wide_interval_gets_replications_up_to_its_own_limit() -> None:
         arrival_scvs=(1.0,),
         pool_sizes=(2,),
     )[0]
+
+
+def test_a_wide_interval_gets_replications_up_to_its_own_limit() -> None:
+    case, samples = _small_poisson_case()
     # 150 measured requests hold one or two beyond the P99: its interval is wide.
     held = run_case(case, samples, requests=150, replications=2, max_replications=2)
     assert held.replications == 2
@@ -149,17 +155,7 @@ def test_a_rescored_row_is_the_row_a_new_run_would_print() -> None:
     # The simulated half of a run depends on the case's seed alone, so the same
     # model re-predicting it gives back the run's predictions and solver answers; a
     # saved row whose decode pool the model would now size otherwise is refused.
-    profile = resolve_profile("llama-3-8b@h100-sxm")
-    case, samples = draw_cases(
-        1,
-        profiles=[profile],
-        long_profiles=[profile],
-        max_context={profile.name: MODELS[profile.model].max_context_tokens},
-        rng=np.random.default_rng(11),
-        max_utilisation=0.6,
-        arrival_scvs=(1.0,),
-        pool_sizes=(2,),
-    )[0]
+    case, samples = _small_poisson_case()
     run = run_case(case, samples, requests=400, replications=2)
     assert run.prefill_decision is not None and run.decode_decision is not None
     rescored_run = rescored(case, samples, replace(run, ttft_pred_s=0.0, tpot_pred_s=0.0))
