@@ -16,8 +16,9 @@ things follow, and both are measured in the simulator
 * **Absorbed prompts keep only their own worker busy.** A worker that absorbed a
   prompt beside its own cannot go idle until both are done, but the others can:
   the pool leaves the all-busy state when any worker that holds one prompt
-  finishes. The chain of ``all_busy_probability`` counts busy workers and the
-  extra prompts absorbed beside a worker's own.
+  finishes. The prompts an excursion leaves beyond its head ride beside the head,
+  on the one worker whose boundary took them (``excursion_extras``). The chain of
+  ``all_busy_probability`` counts busy workers and the workers so loaded.
 
 These are numerical, not closed forms; both are small (at most the pool's size
 squared states, solved once per pool state and kept by the caller).
@@ -121,32 +122,60 @@ def excursion_ratio(
     return r / (1.0 - r)
 
 
+def excursion_extras(*, excursion: float, admitted: FloatArray) -> tuple[float, float]:
+    """What one excursion leaves beside the prompt that ends it: (the chance that it
+    leaves any extras, their mean number when it does).
+
+    An excursion starts with the prompt that finds every worker busy and no queue;
+    the prompts that arrive before a boundary takes it, J of them, queue behind it.
+    The boundary that ends it is a finished prompt's: the head takes that prompt's
+    place and the prompts behind it ride beside the head in the same iteration, as
+    many as the boundary's room admits, K - 1 (``admitted``). So the extras are
+    min(J, K - 1), all on one worker. J is geometric with the queue's ratio
+    r = X / (1 + X) (``excursion_ratio``: P(J >= j) = r^j, exact when a boundary
+    admits everything, where r = lambda / (lambda + beta)), so
+    P(extras >= 1) = r P(K >= 2) and E[extras] = sum_j r^j P(K >= j + 1).
+    (0, 1) when no boundary admits more than the head."""
+    if not excursion >= 0.0:
+        raise ValueError(f"excursion: must be >= 0, got {excursion!r}")
+    ratio = 1.0 if math.isinf(excursion) else excursion / (1.0 + excursion)
+    at_least = np.cumsum(admitted[::-1])[::-1]  # P(K >= k), k = 0..MAX_ADMITTED
+    behind = np.arange(1, at_least.size - 1)
+    mean = float(np.sum(ratio**behind * at_least[behind + 1]))
+    some = ratio * float(at_least[2]) if at_least.size > 2 else 0.0
+    if some <= 0.0 or mean <= 0.0:
+        return 0.0, 1.0
+    return some, mean / some
+
+
 def all_busy_probability(
     *,
     workers: int,
     arrival_rate_rps: float,
     solo_s: float,
+    packed_s: float,
     absorbed_s: float,
     excursion: float,
     extra_share: float,
 ) -> float:
     """P(every worker busy) of a pool that absorbs queued prompts at boundaries.
 
-    States (b, e): b busy workers, e extra prompts absorbed beside workers' own. An
-    arrival with an idle worker starts on it (b + 1); one that finds every worker
-    busy queues and is absorbed, adding an extra with probability ``extra_share``
-    (the rest take the place of a prompt that just finished). Extras are spread over
-    the busy workers, min(e, b) of which hold some: each of those runs one extra at
-    a time, done after ``absorbed_s`` (e - 1), and each of the b - min(e, b) workers
-    holding only its own prompt frees at rate 1 / ``solo_s`` (b - 1). The time the
-    queue is non-empty, ``excursion`` (``excursion_ratio``) times the all-busy time
-    without a queue, is all-busy too: P = P_N (1 + X) / (1 + P_N X), P_N the
-    chain's mass at b = N.
+    States (b, e): b busy workers, e of them loaded with extras absorbed beside their
+    own prompt. An arrival with an idle worker starts on it (b + 1); one that finds
+    every worker busy and no queue starts an excursion (``excursion_extras``), which
+    leaves a batch of extras on the worker whose boundary ends it with probability
+    ``extra_share`` (otherwise its prompts only take the place of one that just
+    finished). A loaded worker runs its batch, done after ``absorbed_s`` (e - 1), and
+    each of the b - min(e, b) workers holding only its own prompt frees at rate
+    1 / ``solo_s`` (b - 1). The time the queue is non-empty, ``excursion``
+    (``excursion_ratio``) times the all-busy time without a queue, is all-busy too:
+    P = P_N (1 + X) / (1 + P_N X), P_N the chain's mass at b = N.
 
     Without extras (``extra_share`` 0) the chain is Erlang's loss system, so P_N is
     Erlang B at the solo load, whatever the solo times' law; with them the pool stays
     all-busy longer than Erlang B says, but not as long as a queue drained at the
-    packed rate (which lets any worker take any queued work). P = 1 once the extras
+    packed rate, ``packed_s`` (which lets any worker take any queued work; it stands
+    in where more workers hold extras than the chain keeps). P = 1 once the extras
     alone outgrow the pool (lambda x ``absorbed_s`` >= N); short of that a lone
     prompt frees at its solo rate whatever the backlog, so near the packed capacity
     P stays somewhat below one (the wait's rate, which vanishes there, carries the
@@ -154,7 +183,7 @@ def all_busy_probability(
     """
     if workers < 1:
         raise ValueError(f"workers: must be >= 1, got {workers!r}")
-    for name, value in (("solo_s", solo_s), ("absorbed_s", absorbed_s)):
+    for name, value in (("solo_s", solo_s), ("packed_s", packed_s), ("absorbed_s", absorbed_s)):
         if not value > 0.0:
             raise ValueError(f"{name}: must be > 0, got {value!r}")
     if not 0.0 <= extra_share <= 1.0:
@@ -176,7 +205,7 @@ def all_busy_probability(
             # More extras than the chain keeps: most workers hold absorbed work, and
             # the queue is in effect shared by all, the token stream's chain (drained
             # at the packed rate once every worker is busy), on the safe side.
-            packed_load = arrival_rate_rps * absorbed_s / n
+            packed_load = arrival_rate_rps * packed_s / n
             return blocking / (1.0 - packed_load + packed_load * blocking)
         all_busy = mass
     return all_busy * (1.0 + excursion) / (1.0 + all_busy * excursion)

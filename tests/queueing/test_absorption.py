@@ -5,7 +5,12 @@ import math
 import numpy as np
 import pytest
 
-from queueing.absorption import admitted_pmf, all_busy_probability, excursion_ratio
+from queueing.absorption import (
+    admitted_pmf,
+    all_busy_probability,
+    excursion_extras,
+    excursion_ratio,
+)
 
 
 def _erlang_b(servers: int, load: float) -> float:
@@ -86,6 +91,7 @@ def test_without_extras_the_pool_is_erlangs_loss_system_plus_the_queue(
         workers=workers,
         arrival_rate_rps=load / 0.1,
         solo_s=0.1,
+        packed_s=0.08,
         absorbed_s=0.08,
         excursion=excursion,
         extra_share=0.0,
@@ -136,6 +142,7 @@ def test_absorbed_extras_hold_the_pool_busy_as_a_simulation_of_the_chain_says() 
         workers=workers,
         arrival_rate_rps=lam,
         solo_s=solo_s,
+        packed_s=absorbed_s,
         absorbed_s=absorbed_s,
         excursion=0.0,
         extra_share=share,
@@ -151,6 +158,7 @@ def test_extras_that_outgrow_the_pool_keep_every_worker_busy() -> None:
         workers=2,
         arrival_rate_rps=30.0,
         solo_s=0.1,
+        packed_s=0.08,
         absorbed_s=0.08,
         excursion=0.5,
         extra_share=0.9,
@@ -161,11 +169,51 @@ def test_extras_that_outgrow_the_pool_keep_every_worker_busy() -> None:
 def test_bad_chain_parameters_are_named() -> None:
     with pytest.raises(ValueError, match="extra_share"):
         all_busy_probability(
-            workers=2, arrival_rate_rps=1.0, solo_s=0.1, absorbed_s=0.1, excursion=0, extra_share=2
+            workers=2,
+            arrival_rate_rps=1.0,
+            solo_s=0.1,
+            packed_s=0.1,
+            absorbed_s=0.1,
+            excursion=0,
+            extra_share=2,
         )
     with pytest.raises(ValueError, match="absorbed_s"):
         all_busy_probability(
-            workers=2, arrival_rate_rps=1.0, solo_s=0.1, absorbed_s=0, excursion=0, extra_share=0.5
+            workers=2,
+            arrival_rate_rps=1.0,
+            solo_s=0.1,
+            packed_s=0.1,
+            absorbed_s=0,
+            excursion=0,
+            extra_share=0.5,
         )
     with pytest.raises(ValueError, match="token_budget"):
         admitted_pmf(np.ones(3), 0, room_tokens=np.ones(3))
+
+
+def test_an_excursion_that_a_boundary_empties_leaves_its_later_arrivals_as_extras() -> None:
+    # A boundary that admits everything ends an excursion at the first boundary, an
+    # exponential time at rate beta: the arrivals behind the head are geometric, so
+    # some come with probability lambda / (lambda + beta) and, when they do, 1 + X of
+    # them on average (X = lambda / beta).
+    lam, beta = 3.0, 5.0
+    everything = np.zeros(65)
+    everything[-1] = 1.0
+    x = excursion_ratio(arrival_rate_rps=lam, boundary_rate_per_s=beta, admitted=everything)
+    some, batch = excursion_extras(excursion=x, admitted=everything)
+    assert some == pytest.approx(lam / (lam + beta), rel=1e-9)
+    assert batch == pytest.approx(1.0 + lam / beta, rel=1e-6)
+
+
+def test_a_boundary_with_room_for_two_leaves_at_most_one_extra() -> None:
+    two = np.array([0.0, 0.0, 1.0])
+    some, batch = excursion_extras(excursion=0.5, admitted=two)
+    assert some == pytest.approx(0.5 / 1.5)
+    assert batch == pytest.approx(1.0)
+    # ... and one with room for the head alone leaves none.
+    assert excursion_extras(excursion=0.5, admitted=np.array([0.0, 1.0]))[0] == 0.0
+
+
+def test_a_bad_excursion_is_named() -> None:
+    with pytest.raises(ValueError, match="excursion"):
+        excursion_extras(excursion=-1.0, admitted=np.array([0.0, 1.0]))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from queueing.absorption import all_busy_probability, excursion_ratio
+from queueing.absorption import all_busy_probability, excursion_extras, excursion_ratio
 from queueing.erlang import erlang_c
 from queueing.ggc import WaitTail
 from queueing.lengths import LengthSamples
@@ -211,13 +211,18 @@ def test_poisson_arrivals_wait_as_the_absorbing_chain_says_at_any_solo_load(
     )
     assert model.excursion(workers=workers, arrival_rate_rps=rate) == excursion
     assert model.one_chunk_share == 1.0  # short prompts: every one fits an iteration
+    # An excursion leaves the prompts behind its head beside it on one worker, each
+    # adding its solo time less the t0 of the iteration it rides in.
+    some, batch = excursion_extras(excursion=excursion, admitted=model.admitted)
+    assert model.riding_service_s == pytest.approx(model.mean_service_s - profile.t0_s)
     chain = all_busy_probability(
         workers=workers,
         arrival_rate_rps=rate,
         solo_s=model.mean_service_s,
-        absorbed_s=model.packed_service_s,
+        packed_s=model.packed_service_s,
+        absorbed_s=batch * model.riding_service_s,
         excursion=excursion,
-        extra_share=excursion / (1.0 + excursion),
+        extra_share=some,
     )
     got = model.wait_tail(workers=workers, arrival_rate_rps=rate, ca2=1.0).wait_probability
     assert got == pytest.approx(chain, rel=1e-9)
