@@ -380,6 +380,62 @@ def bound_entry(pool: Pool, bound: RateBound, z: float) -> ReasonEntry:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class DrainPlan:
+    """The rates each pool must absorb while the prefill queue drains (req/s)."""
+
+    rates_rps: PerPool[float]
+    queue_at_ready: float  # the prompts queued when a worker asked for now serves
+    capacity_rps: float  # what the serving prefill workers clear meanwhile
+
+
+def drain_plan(
+    planned: PerPool[float],
+    *,
+    queue: float,
+    serving_workers: int,
+    packed_service_s: float,
+    startup_s: float,
+    interval_s: float,
+) -> DrainPlan | None:
+    """The planning rates that clear the prefill queue by the end of the lead time.
+
+    A worker asked for now serves after ``startup_s``. Until then the serving workers
+    clear at most ``serving / packed_service_s`` prompts a second while the planned
+    rate keeps arriving, so the queue the new workers find is the queue now plus that
+    shortfall over the start-up. The lead time is the start-up and one tick, so the
+    pool is sized to take the arrivals and that queue within the tick that follows:
+    each tick of backlog left after it is a tick whose prompts all wait behind it.
+    The decode pool's arrivals are the prefill pool's departures, which run at the
+    drain rate while the queue lasts, so it plans for at least as much. None without
+    a queue, or when the serving workers clear it before a new one would serve. The
+    extra workers are for a known amount of work, not for uncertainty about the
+    rate: ``normalisation.stabilise`` releases them when it is done.
+    """
+    capacity = serving_workers / packed_service_s
+    at_ready = queue + (planned.prefill - capacity) * startup_s
+    if queue <= 0 or at_ready <= 0:
+        return None
+    drain = planned.prefill + at_ready / interval_s
+    return DrainPlan(
+        rates_rps=PerPool(prefill=drain, decode=max(planned.decode, drain)),
+        queue_at_ready=at_ready,
+        capacity_rps=capacity,
+    )
+
+
+def drain_entry(plan: DrainPlan, startup_s: float) -> ReasonEntry:
+    return ReasonEntry(
+        stage=Stage.SMOOTH,
+        reason=Reason.QUEUE_DRAIN,
+        pool=None,
+        detail=f"about {plan.queue_at_ready:.0f} prompts queued when a worker asked for now "
+        f"serves ({startup_s:.0f} s, the serving workers clearing {plan.capacity_rps:.3g} "
+        f"req/s meanwhile): planning for {plan.rates_rps.prefill:.3g} req/s to clear them "
+        "within the next tick",
+    )
+
+
 def record_rate(
     rates: tuple[RateSample, ...],
     sample: RateSample,

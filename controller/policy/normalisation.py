@@ -9,7 +9,8 @@ safety     — a scale-down must also meet the SLOs at the *current* raw rate an
              added back would serve);
 dead-band  — ignore relative changes below the band;
 stabilise  — a lower recommendation must hold for the stabilisation window, and
-             the pool scales down to the highest recommendation seen in it;
+             the pool scales down to the highest recommendation seen in it; a
+             surge that drained a queue is released at once when it is done;
 cooldown   — separate for up and down, from the pool's last change;
 rate limit — at most max_step_fraction of the current size per tick, at least one;
 
@@ -117,10 +118,45 @@ def stabilise(
     pstate: PoolState,
     config: ControllerConfig,
     now_s: float,
+    *,
+    steady: int | None = None,
 ) -> tuple[int, PoolState, ReasonEntry | None]:
-    """Scale down only after lower recommendations held for the stabilisation window."""
+    """Scale down only after lower recommendations held for the stabilisation window.
+
+    ``steady`` is the recommendation without the workers that drain a prefill queue
+    (``leadtime.drain_plan``; None: the same as ``target``). The window holds a pool
+    against noise in the rate; a surge for a queue is sized for a known amount of
+    work, so once the queue is gone the pool goes back at once to what it would
+    have been without it (``surge_base``: its size before the surge, or the steady
+    plan since if that is higher), and the window applies below that.
+    """
+    steady = target if steady is None else min(steady, target)
+    surging = target > steady
+    base = pstate.surge_base
+    if base is not None and (current <= base or (target >= current and not surging)):
+        # Released (or needed again at the size it reached): no surge any more.
+        base = None
     if target >= current:
-        return target, replace(pstate, below_since_s=None, below_max=None), None
+        if surging:
+            base = max(current, steady) if base is None else max(base, steady)
+        return target, replace(pstate, below_since_s=None, below_max=None, surge_base=base), None
+    if base is not None:
+        # Kept until the pool is back at its base: a rate-limited release goes on
+        # next tick.
+        released = max(target, base)
+        return (
+            released,
+            replace(pstate, surge_base=base, below_since_s=None, below_max=None),
+            ReasonEntry(
+                stage=Stage.STABILISE,
+                reason=Reason.DRAINED,
+                pool=pool,
+                detail=f"the queue the surge to {current} was for is "
+                + ("smaller" if surging else "cleared")
+                + f": back to {released} at once",
+            ),
+        )
+    pstate = replace(pstate, surge_base=None)
     since = pstate.below_since_s if pstate.below_since_s is not None else now_s
     highest = max(target, pstate.below_max or 0)
     held_s = now_s - since
@@ -214,12 +250,14 @@ def normalise(
     config: ControllerConfig,
     now_s: float,
     moved: bool = False,
+    steady: int | None = None,
 ) -> tuple[int, PoolState, list[ReasonEntry]]:
     """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool.
 
     ``raw_rate_rps`` is the rate the safety check judges a scale-down at: the larger
     of the window's measured rate and the pool's lead-time upper quantile; ``ca2`` the
-    SCV of the pool's own arrivals (``CapacityModel.arrival_scv``)."""
+    SCV of the pool's own arrivals (``CapacityModel.arrival_scv``); ``steady`` the
+    recommendation without the workers that drain a queue (``stabilise``)."""
     entries: list[ReasonEntry] = []
 
     def note(entry: ReasonEntry | None) -> None:
@@ -232,10 +270,13 @@ def normalise(
     note(entry)
     target, entry = dead_band(pool, target, current, config)
     note(entry)
-    target, pstate, entry = stabilise(pool, target, current, pstate, config, now_s)
+    target, pstate, entry = stabilise(pool, target, current, pstate, config, now_s, steady=steady)
     note(entry)
-    target, entry = cooldown(pool, target, current, pstate, config, now_s)
-    note(entry)
+    if entry is None or entry.reason is not Reason.DRAINED:
+        # (A drained surge is released without the down cooldown: the cooldown holds
+        # a pool against noisy recommendations, and the surge's end is no noise.)
+        target, entry = cooldown(pool, target, current, pstate, config, now_s)
+        note(entry)
     target, entry = rate_limit(pool, target, current, config, moved=moved)
     note(entry)
     return target, pstate, entries

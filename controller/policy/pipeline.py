@@ -34,6 +34,8 @@ from controller.policy.leadtime import (
     MIN_POOLED_REQUESTS,
     bound_entry,
     detection_z,
+    drain_entry,
+    drain_plan,
     forecast_at,
     forecast_horizon_s,
     lead_time_s,
@@ -186,13 +188,6 @@ def decide(
     if lead.enabled:
         planned = upper.map(lambda b: b.upper_rps)
         reasons.extend(bound_entry(pool, b, z) for pool, b in upper.items())
-        # What the prefill pool must absorb over its lead time is the arrivals and
-        # the prompts already queued: the queue adds its size over the lead time.
-        queue = observation.prefill_queue_depth
-        if usable(queue) and queue is not None and queue > 0:
-            planned = planned.with_value(
-                Pool.PREFILL, planned.prefill + queue / upper.prefill.lead_s
-            )
     else:
         planned = PerPool.both(estimate)
     forecast = forecast_rate_rps if usable(forecast_rate_rps) else None
@@ -211,6 +206,14 @@ def decide(
             value, maybe = with_forecast(planned[pool], seen, pool=pool, read_at_s=ahead_s)
             planned = planned.with_value(pool, value)
             reasons.extend([maybe] if maybe else [])
+    # The arrivals each pool plans for; the prompts already queued come on top.
+    arriving = planned
+    queue = observation.prefill_queue_depth
+    queued = queue if usable(queue) and queue is not None and queue > 0 else 0.0
+    if lead.enabled and queued > 0:
+        # What the prefill pool must absorb over its lead time is the arrivals and
+        # the prompts already queued: the queue adds its size over the lead time.
+        planned = planned.with_value(Pool.PREFILL, planned.prefill + queued / upper.prefill.lead_s)
     rate = max(planned.prefill, planned.decode)
 
     moved = any(
@@ -219,9 +222,28 @@ def decide(
     )
     calibration = calibrate(observation, state, config, behind, now_s)
     reasons.extend(c.entry for _, c in calibration.items() if c.entry is not None)
-    recommended, aimed, entry = recommend(
-        model, planned, ca2_value, config, calibration.map(lambda c: c.factor)
+    factors = calibration.map(lambda c: c.factor)
+    recommended, aimed, entry = recommend(model, planned, ca2_value, config, factors)
+    steady = recommended
+    # The new workers serve only in the lead time's last tick, and the queue grows
+    # until they do: what the pools must absorb to clear it by the lead time's end
+    # (the workers beyond the steady plan released once they have).
+    drain = (
+        drain_plan(
+            arriving,
+            queue=queued,
+            serving_workers=observation.replicas(Pool.PREFILL).ready_replicas,
+            packed_service_s=model.prefill.packed_service_s,
+            startup_s=upper.prefill.lead_s - config.interval_s,
+            interval_s=config.interval_s,
+        )
+        if lead.enabled
+        else None
     )
+    if drain is not None:
+        reasons.append(drain_entry(drain, upper.prefill.lead_s - config.interval_s))
+        recommended, aimed, entry = recommend(model, drain.rates_rps, ca2_value, config, factors)
+        recommended = PerPool.build(lambda pool: max(recommended[pool], steady[pool]))
     reasons.append(entry)
 
     normalised: dict[Pool, tuple[int, PoolState]] = {}
@@ -252,6 +274,7 @@ def decide(
             config=config,
             now_s=now_s,
             moved=moved,
+            steady=steady[pool],
         )
         reasons.extend(entries)
         normalised[pool] = target, pstate

@@ -17,6 +17,7 @@ from controller.policy.leadtime import (
     MIN_POOLED_REQUESTS,
     RateBound,
     detection_z,
+    drain_plan,
     forecast_at,
     forecast_horizon_s,
     lead_time_s,
@@ -438,3 +439,28 @@ def test_on_a_daily_cycle_the_conditioned_bound_covers_the_lead_time_and_plans_l
         checked += 1
     assert exceed / checked <= 0.03
     assert conditioned_sum < plain_sum
+
+
+def test_a_queue_left_when_a_new_worker_serves_is_planned_to_clear_in_the_tick_after() -> None:
+    # Two serving workers clear 20 req/s (0.1 s a packed prompt); 30 req/s arrive and
+    # 100 are queued, so after the 40-s start-up 100 + (30 - 20) x 40 = 500 are.
+    plan = drain_plan(
+        PerPool(prefill=30.0, decode=28.0),
+        queue=100.0,
+        serving_workers=2,
+        packed_service_s=0.1,
+        startup_s=40.0,
+        interval_s=30.0,
+    )
+    assert plan is not None
+    assert plan.queue_at_ready == pytest.approx(500.0)
+    assert plan.rates_rps.prefill == pytest.approx(30.0 + 500.0 / 30.0)
+    # The decode pool's arrivals are the prefill pool's departures: the drain rate.
+    assert plan.rates_rps.decode == pytest.approx(plan.rates_rps.prefill)
+
+
+def test_a_queue_the_serving_workers_clear_before_a_new_one_serves_asks_for_nothing() -> None:
+    # 10 req/s on workers that clear 20: the 100 queued are gone in 10 s.
+    kwargs = {"serving_workers": 2, "packed_service_s": 0.1, "startup_s": 40.0}
+    assert drain_plan(PerPool.both(10.0), queue=100.0, interval_s=30.0, **kwargs) is None
+    assert drain_plan(PerPool.both(30.0), queue=0.0, interval_s=30.0, **kwargs) is None

@@ -24,7 +24,14 @@ from controller.policy import (
 )
 from controller.policy import decide as decide_with
 from controller.policy.forecast import RecordedArrivals
-from controller.policy.normalisation import cooldown, dead_band, rate_limit, safety, stabilise
+from controller.policy.normalisation import (
+    cooldown,
+    dead_band,
+    normalise,
+    rate_limit,
+    safety,
+    stabilise,
+)
 from controller.policy.smoothing import smooth
 from controller.policy.state import RateSample
 from controller.policy.steady import overloaded
@@ -278,6 +285,63 @@ def test_scale_down_waits_for_the_stabilisation_window_then_takes_the_highest_lo
     # A recommendation at or above current resets the window.
     got, pstate, _ = stabilise(Pool.DECODE, 10, 10, pstate, CONFIG, 330.0)
     assert pstate.below_since_s is None
+
+
+def test_a_surge_for_a_queue_is_released_at_once_when_the_queue_has_cleared() -> None:
+    pstate = PoolState()
+    # 4 workers, a steady plan of 5 and 9 to clear a queue: the surge's base is 5.
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, CONFIG, 0.0, steady=5)
+    assert (got, pstate.surge_base) == (9, 5)
+    # Still draining, the steady plan grew: so does the base.
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 9, pstate, CONFIG, 30.0, steady=6)
+    assert (got, pstate.surge_base) == (9, 6)
+    # The queue has cleared: back to the base at once, not after the 300-s window.
+    got, pstate, entry = stabilise(Pool.PREFILL, 4, 9, pstate, CONFIG, 60.0, steady=4)
+    assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
+    # Once there, the window holds it as before.
+    got, pstate, entry = stabilise(Pool.PREFILL, 4, 6, pstate, CONFIG, 90.0, steady=4)
+    assert (got, entry.reason if entry else None) == (6, Reason.STABILISING)
+    assert pstate.surge_base is None
+
+
+def test_a_surge_releases_only_what_it_added_to_a_pool_the_window_was_holding() -> None:
+    # 6 workers held by the window against a steady plan of 3; a queue asks for 10.
+    held = PoolState(below_since_s=0.0, below_max=3)
+    got, pstate, _ = stabilise(Pool.PREFILL, 10, 6, held, CONFIG, 30.0, steady=3)
+    assert (got, pstate.surge_base) == (10, 6)
+    got, pstate, entry = stabilise(Pool.PREFILL, 3, 10, pstate, CONFIG, 60.0, steady=3)
+    assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
+
+
+def test_a_drained_surge_is_not_held_by_the_down_cooldown() -> None:
+    surged = PoolState(surge_base=3, last_change_s=0.0)
+    model = CapacityModel.build(LENGTHS, PROFILE, tpot_slo_s=0.1)
+    aimed = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.1)
+    kwargs = {"model": model, "raw_rate_rps": 1.0, "ca2": 1.0, "aimed": aimed, "config": CONFIG}
+    got, _, entries = normalise(Pool.PREFILL, 3, 6, surged, now_s=30.0, steady=3, **kwargs)  # type: ignore[arg-type]
+    assert got == 3
+    assert Reason.DRAINED in {e.reason for e in entries}
+    # A plain scale-down 30 s after a change waits for the cooldown.
+    plain = PoolState(last_change_s=0.0, below_since_s=-600.0, below_max=3)
+    got, _, entries = normalise(Pool.PREFILL, 3, 6, plain, now_s=30.0, **kwargs)  # type: ignore[arg-type]
+    assert got == 6
+    assert Reason.COOLDOWN_DOWN in {e.reason for e in entries}
+
+
+def test_a_queue_the_serving_workers_cannot_clear_raises_both_pools_then_goes() -> None:
+    # Beyond what two prefill workers clear, so the queue grows until a worker
+    # asked for now serves.
+    d0 = _steady()
+    flood = 1.5 * 2 / MIN_PROMPT_S
+    calm = decide(observation(30.0, flood, 2, 1, queue=0.0), d0.state, CONFIG, now_s=30.0)
+    queued = decide(observation(30.0, flood, 2, 1, queue=300.0), d0.state, CONFIG, now_s=30.0)
+    surge = (queued.target(Pool.PREFILL), queued.target(Pool.DECODE))
+    assert surge[0] > calm.target(Pool.PREFILL) and surge[1] > calm.target(Pool.DECODE)
+    assert Reason.QUEUE_DRAIN in _reasons_of(queued)
+    # The next tick finds the queue cleared (the new workers serving): back at once.
+    after = decide(observation(60.0, flood, *surge), queued.state, CONFIG, now_s=60.0)
+    assert after.target(Pool.PREFILL) < surge[0]
+    assert Reason.DRAINED in _reasons_of(after)
 
 
 @pytest.mark.parametrize(
@@ -768,6 +832,13 @@ def _scenarios() -> dict[Reason, Decision]:
     out[Reason.OVERLOAD_DETECTED] = decide(
         observation(30.0, flood, 2, 1), near.state, CONFIG, now_s=30.0
     )
+    # A queue the serving workers cannot clear before a new worker would serve; once
+    # it has cleared, the workers beyond the steady plan go at once.
+    out[Reason.QUEUE_DRAIN] = decide(
+        observation(30.0, flood, 2, 1, queue=300.0), steady.state, CONFIG, now_s=30.0
+    )
+    surged = replace(steady.state, pools=PerPool.both(PoolState(surge_base=2, last_change_s=0.0)))
+    out[Reason.DRAINED] = decide(observation(30.0, 8.0, 6, 6), surged, CONFIG, now_s=30.0)
     # The planning rate has fallen (a plan for fewer workers) but the pools hold what
     # the current raw rate needs: removing workers is unsafe at the current load.
     need = recommended(decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0)) or (1, 1)
