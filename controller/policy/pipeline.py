@@ -185,9 +185,18 @@ def decide(
             measured_rps=raw_rate,
         )
     )
+    queue = observation.prefill_queue_depth
+    queued = queue if usable(queue) and queue is not None and queue > 0 else 0.0
+    # The arrivals each pool plans for over its lead time (the drain below starts
+    # from them).
+    arriving = upper.map(lambda b: b.upper_rps)
     if lead.enabled:
-        planned = upper.map(lambda b: b.upper_rps)
         reasons.extend(bound_entry(pool, b, z) for pool, b in upper.items())
+        # What the prefill pool must absorb over its lead time is the arrivals and
+        # the prompts already queued: the queue adds its size over the lead time.
+        planned = arriving.with_value(
+            Pool.PREFILL, arriving.prefill + queued / upper.prefill.lead_s
+        )
     else:
         planned = PerPool.both(estimate)
     forecast = forecast_rate_rps if usable(forecast_rate_rps) else None
@@ -206,14 +215,6 @@ def decide(
             value, maybe = with_forecast(planned[pool], seen, pool=pool, read_at_s=ahead_s)
             planned = planned.with_value(pool, value)
             reasons.extend([maybe] if maybe else [])
-    # The arrivals each pool plans for; the prompts already queued come on top.
-    arriving = planned
-    queue = observation.prefill_queue_depth
-    queued = queue if usable(queue) and queue is not None and queue > 0 else 0.0
-    if lead.enabled and queued > 0:
-        # What the prefill pool must absorb over its lead time is the arrivals and
-        # the prompts already queued: the queue adds its size over the lead time.
-        planned = planned.with_value(Pool.PREFILL, planned.prefill + queued / upper.prefill.lead_s)
     rate = max(planned.prefill, planned.decode)
 
     moved = any(
