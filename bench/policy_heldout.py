@@ -1,0 +1,119 @@
+"""Held-out workloads: `sara` against `static-peak` on shapes the bench's seven do not hold.
+
+The defaults were chosen on ``bench/policy_quality.py``'s workloads; these five were
+drawn afterwards, with seeds, rates, ratios, profiles and SLOs that none of those
+uses, to see whether a change that helps there helps elsewhere:
+
+- three steps: 2x at 15 req/s (Poisson, llama-3-8b on H100, SLOs 1 s / 50 ms), 4x
+  at 6 req/s with Gamma SCV 3 (llama-3-8b on A100-80GB, 1.5 s / 80 ms), and 2.5x at
+  4 req/s on llama-3.1-70b TP4 on H100 (2 s / 0.1 s; a 101-s start-up), each after
+  10 minutes and held for 15;
+- two ramps over 10 minutes after 5 calm ones (Gamma SCV 2): 3 -> 12 req/s on the
+  70B profile and 5 -> 40 req/s on the 8B one.
+
+ShareGPT lengths throughout. Prints attainment, GPU-hours, scale events and lost
+requests per workload and policy (about 20 s on one core):
+
+    .venv/bin/python bench/policy_heldout.py [--policies sara,static-peak]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from policy_quality import TRACES, _scenario, _time_changed
+
+from queueing.solver import SloTargets
+from sim.backtest import run_backtest
+from sim.policies import Scenario, make_policy
+from sim.trace import Trace
+from sim.trace_io import load_lengths
+from sim.workload import gamma_arrivals, synthesize
+
+SHAREGPT = TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
+FAST = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.05)
+RELAXED = SloTargets(ttft_p99_s=1.5, tpot_p99_s=0.08)
+LARGE = SloTargets(ttft_p99_s=2.0, tpot_p99_s=0.1)
+
+
+def step(*, ratio: float, base_rps: float, ca2: float, seed: int) -> Trace:
+    """``base_rps`` for 10 minutes, then ``ratio`` times it for 15."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.concatenate(
+        [
+            gamma_arrivals(rate_rps=base_rps, ca2=ca2, duration_s=600.0, rng=rng),
+            600.0 + gamma_arrivals(rate_rps=base_rps * ratio, ca2=ca2, duration_s=900.0, rng=rng),
+        ]
+    )
+    source = f"ShareGPT lengths, {base_rps:g} req/s then {ratio:g}x at 600 s, SCV {ca2:g}"
+    return synthesize(arrival_s=arrivals, lengths=load_lengths(SHAREGPT), rng=rng, source=source)
+
+
+def ramp(*, low_rps: float, high_rps: float, seed: int) -> Trace:
+    """``low_rps`` for 5 minutes, a straight ramp to ``high_rps`` over 10, then 10 more."""
+    rng = np.random.default_rng(seed)
+
+    def rate(t: np.ndarray) -> np.ndarray:
+        return low_rps + (high_rps - low_rps) * np.clip((t - 300.0) / 600.0, 0.0, 1.0)
+
+    arrivals = _time_changed(rate, duration_s=1500.0, ca2=2.0, rng=rng)
+    source = f"ShareGPT lengths, a ramp {low_rps:g} -> {high_rps:g} req/s, SCV 2"
+    return synthesize(arrival_s=arrivals, lengths=load_lengths(SHAREGPT), rng=rng, source=source)
+
+
+def workloads() -> dict[str, tuple[Trace, Scenario]]:
+    return {
+        "step 2x, 8B": (
+            step(ratio=2.0, base_rps=15.0, ca2=1.0, seed=101),
+            _scenario("llama-3-8b@h100-sxm", FAST),
+        ),
+        "step 4x, SCV 3": (
+            step(ratio=4.0, base_rps=6.0, ca2=3.0, seed=102),
+            _scenario("llama-3-8b@a100-80g", RELAXED),
+        ),
+        "step 2.5x, 70B": (
+            step(ratio=2.5, base_rps=4.0, ca2=1.0, seed=103),
+            _scenario("llama-3.1-70b-tp4@h100-sxm", LARGE),
+        ),
+        "ramp 3-12, 70B": (
+            ramp(low_rps=3.0, high_rps=12.0, seed=104),
+            _scenario("llama-3.1-70b-tp4@h100-sxm", LARGE),
+        ),
+        "ramp 5-40, 8B": (
+            ramp(low_rps=5.0, high_rps=40.0, seed=105),
+            _scenario("llama-3-8b@h100-sxm", FAST),
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default="sara,static-peak")
+    args = parser.parse_args()
+    names = [n for n in args.policies.split(",") if n]
+    print(f"{'workload':16} {'policy':14} {'attainment':>10} {'GPU-h':>7} {'events P/D':>11} lost")
+    for name, (trace, scenario) in workloads().items():
+        for policy in names:
+            result = run_backtest(trace, make_policy(policy, trace, scenario), scenario)
+            out = result.as_dict(series=False)
+            events = f"{out['scale_events']['prefill']}/{out['scale_events']['decode']}"
+            print(
+                f"{name:16} {policy:14} {100 * out['slo_attainment']:9.2f} % "
+                f"{out['gpu_hours']:7.2f} {events:>11} {out['lost_requests']}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
