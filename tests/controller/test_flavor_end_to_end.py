@@ -237,14 +237,22 @@ def test_every_observation_field_is_populated(observed: Observed, flavor: Metric
 
 
 def targets(observation: Observation, config: ControllerConfig) -> tuple[int, int]:
-    # One window of this load holds about 48 requests, under the 50 a length mix needs
-    # (``leadtime.MIN_POOLED_REQUESTS``): the first tick holds and keeps the window, the
-    # second, a window later, decides on both (the same traffic, measured twice).
+    """The pool sizes the policy recommends on the observation, read at a second tick.
+
+    One window of this load holds about 48 requests, around the 50 a length mix needs
+    (``leadtime.MIN_POOLED_REQUESTS``): a first tick below it holds and keeps the
+    window, and the second, a window later, decides on both (the same traffic,
+    measured twice). A first tick at or above it already acts, and the second then
+    sits in the up-cooldown, its target the replicas still running: so the solver's
+    recommendation is compared, which neither the count of 49 or 50 nor a cooldown
+    moves."""
     models = CapacityModels()
     first = decide(observation, ControllerState(), config, now_s=100.0, models=models)
     later = dataclasses.replace(observation, time_s=observation.time_s + WINDOW_S)
     decision = decide(later, first.state, config, now_s=100.0 + WINDOW_S, models=models)
-    return decision.pools[Pool.PREFILL].target, decision.pools[Pool.DECODE].target
+    prefill, decode = (decision.pools[pool].recommended for pool in Pool)
+    assert prefill is not None and decode is not None, decision.reasons
+    return prefill, decode
 
 
 def bucket_edge(values: np.ndarray, bounds: tuple[float, ...], *, upper: bool) -> np.ndarray:
