@@ -250,7 +250,8 @@ def targets(observation: Observation, config: ControllerConfig) -> tuple[int, in
     first = decide(observation, ControllerState(), config, now_s=100.0, models=models)
     later = dataclasses.replace(observation, time_s=observation.time_s + WINDOW_S)
     decision = decide(later, first.state, config, now_s=100.0 + WINDOW_S, models=models)
-    prefill, decode = (decision.pools[pool].recommended for pool in Pool)
+    prefill = decision.pools[Pool.PREFILL].recommended
+    decode = decision.pools[Pool.DECODE].recommended
     assert prefill is not None and decode is not None, decision.reasons
     return prefill, decode
 
