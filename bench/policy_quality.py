@@ -50,12 +50,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.sources.counters import dispersion_index
+from controller.counters import dispersion_index
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.solver import KvLink, SloTargets
 from sim.backtest import BacktestResult, run_backtest
-from sim.control import window_scv
+from sim.control import counted_scv
 from sim.policies import (
     POLICY_NAMES,
     BacktestPolicy,
@@ -486,28 +486,34 @@ def acceptance(results: dict[str, dict[str, BacktestResult]], policy: str = "sar
 
 def dispersion(names: list[str]) -> str:
     """How bursty each workload's arrivals are at the scales the controller reads:
-    the mean (and median) over its 30-s windows of the gap SCV (what the simulated
-    source measures) and of the index of dispersion of the window's 5-s counts (what
-    the production sources measure, ``controller.sources.counters``), and the index
-    of dispersion of the counts over 30 s, one lead time (start-up + a 30-s tick) and
-    300 s, from half the mean squared successive difference of the counts (which a
-    slow trend does not inflate)."""
+    the mean (and median) over its 30-s windows of the gap SCV and of the index of
+    dispersion of the window's 5-s counts about the window's mean, of the ca² the
+    sources read at each tick (5-s counts over 300 s about the windows' levels and
+    the changes of level, ``controller.counters.interarrival_scv``), and the
+    index of dispersion of the counts over 30 s, one lead time (start-up + a 30-s
+    tick) and 300 s, from half the mean squared successive difference of the counts
+    (which a slow trend does not inflate)."""
     rows = [
         "| workload | window gap SCV mean / median | window 5-s IDC mean / median "
+        "| ca² read (300 s) mean / median "
         "| IDC at 30 s | IDC at the lead time | IDC at 300 s |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in names:
         w = workload(name)
         t = w.trace.arrival_s
-        gap, idc = [], []
+        gap, idc, read = [], [], []
         for end in np.arange(30.0, float(t[-1]), 30.0):
             inside = t[(t > end - 30.0) & (t <= end)]
-            g = window_scv(inside)
+            g = gap_scv(inside)
             d = counted_dispersion(inside, end_s=float(end), window_s=30.0, step_s=5.0)
             if g is not None and d is not None:
                 gap.append(g)
                 idc.append(d)
+            span = min(300.0, float(end))
+            r = counted_scv(t, end_s=float(end), span_s=span, step_s=5.0, window_s=30.0)
+            if r is not None:
+                read.append(r)
         lead_s = w.scenario.worker_startup_s + 30.0
         spans = []
         for span in (30.0, lead_s, 300.0):
@@ -515,10 +521,20 @@ def dispersion(names: list[str]) -> str:
             spans.append(0.5 * float(np.mean(np.diff(counts) ** 2)) / float(counts.mean()))
         rows.append(
             f"| {name} | {np.mean(gap):.2f} / {np.median(gap):.2f} | "
-            f"{np.mean(idc):.2f} / {np.median(idc):.2f} | {spans[0]:.1f} | "
+            f"{np.mean(idc):.2f} / {np.median(idc):.2f} | "
+            f"{np.mean(read):.2f} / {np.median(read):.2f} | {spans[0]:.1f} | "
             f"{spans[1]:.1f} ({lead_s:.0f} s) | {spans[2]:.1f} |"
         )
     return "\n".join(rows)
+
+
+def gap_scv(arrivals: np.ndarray) -> float | None:
+    """The SCV of a window's inter-arrival gaps (None with fewer than 10 arrivals)."""
+    if len(arrivals) < 10:
+        return None
+    gaps = np.diff(arrivals)
+    mean = float(gaps.mean())
+    return float(gaps.var() / (mean * mean)) if mean > 0 else None
 
 
 def counted_dispersion(

@@ -86,6 +86,7 @@ def _source(args: argparse.Namespace, config: ControllerConfig) -> ObservationSo
             targets[0],
             window_s=config.window_s,
             burst_window_s=config.burst_window_s,
+            scv_span_s=config.lead_time.pool_s,
             metrics=config.metrics,
         )
     if kind == "scrape" and config.metrics.flavor is not MetricsFlavor.SARA:
@@ -98,7 +99,11 @@ def _source(args: argparse.Namespace, config: ControllerConfig) -> ObservationSo
 
         urls = [u for t in targets for u in t.split(",") if u]
         return ScrapeSource(
-            urls, window_s=config.window_s, burst_window_s=config.burst_window_s, clock=time.time
+            urls,
+            window_s=config.window_s,
+            burst_window_s=config.burst_window_s,
+            scv_span_s=config.lead_time.pool_s,
+            clock=time.time,
         )
     raise UsageError(
         "--metrics-source: expected 'prometheus URL' or 'scrape URL[,URL...]', "
@@ -224,9 +229,7 @@ def register(sub: Any) -> None:
         "({index}, {pool}, {port} are substituted)",
     )
     p.add_argument("--decode-command", help="local: command template of a decode worker")
-    p.add_argument(
-        "--prefill-port", type=int, help="local: {port} of prefill worker i is this + i"
-    )
+    p.add_argument("--prefill-port", type=int, help="local: {port} of prefill worker i is this + i")
     p.add_argument("--decode-port", type=int, help="local: {port} of decode worker i is this + i")
     p.add_argument("--namespace", help="kubernetes: namespace of the Deployments")
     p.add_argument("--prefill-deployment", help="kubernetes: the prefill Deployment")

@@ -346,6 +346,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 [f"{router_url}/metrics"],
                 window_s=config.window_s,
                 burst_window_s=config.burst_window_s,
+                scv_span_s=config.lead_time.pool_s,
                 clock=time.time,
             )
             if args.prometheus:  # a Prometheus that scrapes the router keeps the history
@@ -356,6 +357,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     window_s=config.window_s,
                     burst_window_s=config.burst_window_s,
                     scv_step_s=min(5.0, config.burst_window_s),
+                    scv_span_s=config.lead_time.pool_s,
                 )
             metrics = ControllerMetrics()
             loop = ControlLoop(

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from controller.config import ControllerConfig
+from controller.counters import interarrival_scv
 from controller.histograms import TPOT_BUCKETS_S, TTFT_BUCKETS_S, bucketed, histogram_quantile
 from controller.observation import Observation, PoolObservation
 from controller.policy import CapacityModels, ControllerState, Decision
@@ -89,17 +90,51 @@ class SimulatedActuator:
 
 
 class SimulatedSource:
-    """Windowed measurements of a simulated cluster, as an ``Observation``."""
+    """Windowed measurements of a simulated cluster, as an ``Observation``.
 
-    def __init__(self, cluster: Snapshots, *, window_s: float, burst_window_s: float) -> None:
+    The ca² is read as the production sources read it: from a request counter sampled
+    every ``scv_step_s`` over the last ``scv_span_s`` (``interarrival_scv``)."""
+
+    def __init__(
+        self,
+        cluster: Snapshots,
+        *,
+        window_s: float,
+        burst_window_s: float,
+        scv_step_s: float = 5.0,
+        scv_span_s: float = 300.0,
+    ) -> None:
         self.cluster = cluster
         self.window_s = window_s
         self.burst_window_s = burst_window_s
+        self.scv_step_s = scv_step_s
+        self.scv_span_s = max(scv_span_s, window_s)
 
     def observe(self, *, now_s: float, replicas: Mapping[Pool, PoolObservation]) -> Observation:
         snap = self.cluster.snapshot(window_s=self.window_s)
         burst = self.cluster.snapshot(window_s=self.burst_window_s)
-        return observation_from(snap, burst, now_s=now_s, replicas=replicas)
+        return observation_from(
+            snap, burst, now_s=now_s, replicas=replicas, interarrival_scv=self._scv(now_s)
+        )
+
+    def _scv(self, now_s: float) -> float | None:
+        span_s = min(self.scv_span_s, now_s)
+        arrivals = self.cluster.snapshot(window_s=span_s + 1e-6).window_arrival_s
+        return counted_scv(
+            arrivals, end_s=now_s, span_s=span_s, step_s=self.scv_step_s, window_s=self.window_s
+        )
+
+
+def counted_scv(
+    arrival_s: np.ndarray, *, end_s: float, span_s: float, step_s: float, window_s: float
+) -> float | None:
+    """The ca² a production source reads from a request counter sampled every
+    ``step_s`` over ``span_s`` back from ``end_s`` (``interarrival_scv``), for sorted
+    arrival times."""
+    times = end_s - step_s * np.arange(int(span_s // step_s), -1, -1)
+    counter = np.searchsorted(arrival_s, times, side="right").astype(np.float64)
+    samples = list(zip(times.tolist(), counter.tolist(), strict=True))
+    return interarrival_scv([samples], step_s=step_s, window_s=window_s)
 
 
 def replicas_of(snap: ClusterSnapshot) -> dict[Pool, PoolObservation]:
@@ -117,15 +152,17 @@ def observation_from(
     *,
     now_s: float,
     replicas: Mapping[Pool, PoolObservation],
+    interarrival_scv: float | None,
 ) -> Observation:
-    """The ``Observation`` of a measurement window ``snap`` and its short burst window."""
+    """The ``Observation`` of a measurement window ``snap`` and its short burst window,
+    with the ca² the source read (over a longer span: ``counted_scv``)."""
     return Observation(
         time_s=now_s,
         prefill=replicas[Pool.PREFILL],
         decode=replicas[Pool.DECODE],
         arrival_rate_rps=snap.window_arrival_rate_rps,
         burst_arrival_rate_rps=burst.window_arrival_rate_rps,
-        interarrival_scv=window_scv(snap.window_arrival_s),
+        interarrival_scv=interarrival_scv,
         lengths=_lengths(snap),
         ttft_p99_s=_p99(snap.window_ttft_s, TTFT_BUCKETS_S),
         tpot_p99_s=_p99(snap.window_tpot_s, TPOT_BUCKETS_S),
@@ -143,16 +180,6 @@ def _p99(values: np.ndarray, bounds: tuple[float, ...]) -> float | None:
     if len(finite) < MIN_LATENCY_SAMPLES:
         return None
     return histogram_quantile(0.99, bucketed(finite, bounds))
-
-
-def window_scv(arrivals: np.ndarray) -> float | None:
-    """The SCV of a measurement window's inter-arrival gaps (None with fewer than 10
-    arrivals): the window's ca² as the simulated source reports it."""
-    if len(arrivals) < 10:
-        return None
-    gaps = np.diff(arrivals)
-    mean = float(gaps.mean())
-    return float(gaps.var() / (mean * mean)) if mean > 0 else None
 
 
 def _lengths(snap: ClusterSnapshot) -> LengthSamples | None:
@@ -185,7 +212,10 @@ def run_controlled(
     """Run the production tick (``controller.tick.run_tick``) every
     ``config.interval_s`` of simulated time until ``until_s``."""
     source = SimulatedSource(
-        cluster, window_s=config.window_s, burst_window_s=config.burst_window_s
+        cluster,
+        window_s=config.window_s,
+        burst_window_s=config.burst_window_s,
+        scv_span_s=config.lead_time.pool_s,
     )
     actuator = SimulatedActuator(cluster)
     history = SimulatedArrivals(cluster)

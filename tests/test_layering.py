@@ -2,11 +2,12 @@
 
 Lowest first: queueing (numpy/scipy only) -> the pure cores (workers.scheduler,
 workers.kv_cache, controller.policy and the plain data it decides on: controller.config,
-controller.observation, controller.actuator) -> sim -> adapters (the rest of controller,
-workers, dashboards) -> cli, the top layer (the `sara` command line, the demos and the
-load generator). A module may import only from its own layer or below, so nothing outside
-cli imports cli (bench/ and the tests may); only adapter and cli modules may import the
-I/O and runtime libraries. The import-time graph of the project has no cycle.
+controller.observation, controller.actuator, and the arithmetic the sources and the
+simulated source share: controller.histograms, controller.counters) -> sim -> adapters
+(the rest of controller, workers, dashboards) -> cli, the top layer (the `sara` command
+line, the demos and the load generator). A module may import only from its own layer or
+below, so nothing outside cli imports cli (bench/ and the tests may); only adapter and cli
+modules may import the I/O and runtime libraries. The import-time graph of the project has no cycle.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ PURE_CORES = {
     "controller.crd.openapi",
     "controller.tick",
     "controller.histograms",
+    "controller.counters",
 }
 
 

@@ -122,6 +122,7 @@ def prometheus_source(spec: crd.AutoscalerSpec) -> ObservationSource:
         spec.metrics.prometheus_url,
         window_s=spec.config.window_s,
         burst_window_s=spec.config.burst_window_s,
+        scv_span_s=spec.config.lead_time.pool_s,
         selector=spec.metrics.selector,
         metrics=spec.config.metrics,
     )

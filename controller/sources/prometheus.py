@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from controller.config import MetricsConfig
+from controller.counters import CounterSample, cumulative_arrivals, interarrival_scv
 from controller.histograms import (
     DEFAULT_SAMPLES,
     Bucket,
@@ -31,7 +32,6 @@ from controller.histograms import (
 from controller.histograms import length_samples as samples_from_buckets
 from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
-from controller.sources.counters import CounterSample, cumulative_arrivals, interarrival_scv
 from controller.sources.flavors import SARA, flavor_queries, join_matchers
 from queueing.pools import Pool
 
@@ -91,7 +91,9 @@ class PrometheusSource:
 
     ``window_s``: the measurement window; ``burst_window_s``: the short window of the
     burst rate; ``scv_step_s``: the sub-window of the ca² estimate (use at least the
-    scrape interval: sub-windows without a new sample are dropped).
+    scrape interval: sub-windows without a new sample are dropped); ``scv_span_s``:
+    how far back the request counters are read for it, to tell a change of level from
+    a burst (the policy's ``lead_time.pool_s``, over which it pools the estimates).
     ``n_length_samples``: how many (prompt, output) pairs to reconstruct.
     ``metrics``: the flavour (whose metric names) and the pools' label matchers.
     An injected ``client`` is used as is and not closed by ``close()``.
@@ -106,6 +108,7 @@ class PrometheusSource:
         timeout_s: float = 5.0,
         selector: str = "",
         scv_step_s: float = 5.0,
+        scv_span_s: float = 300.0,
         n_length_samples: int = DEFAULT_SAMPLES,
         metrics: MetricsConfig | None = None,
         client: httpx.Client | None = None,
@@ -116,6 +119,7 @@ class PrometheusSource:
             ("burst_window_s", burst_window_s),
             ("timeout_s", timeout_s),
             ("scv_step_s", scv_step_s),
+            ("scv_span_s", scv_span_s),
         ):
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
@@ -127,6 +131,7 @@ class PrometheusSource:
         self._range_url = str(httpx.URL(base_url.rstrip("/") + "/api/v1/query_range"))
         self._timeout_s = float(timeout_s)
         self._scv_step_s = float(scv_step_s)
+        self._window_s = float(window_s)
         self._n_samples = n_length_samples
         self._owns_client = client is None
         self._client = client if client is not None else httpx.Client()
@@ -147,7 +152,10 @@ class PrometheusSource:
         self._queries: dict[str, _Query] = {
             "arrival_rate_rps": _Query(q(flavor.arrival_rate, window_s), _single_value),
             "burst_arrival_rate_rps": _Query(q(flavor.arrival_rate, burst_window_s), _single_value),
-            "interarrival_scv": _Query(q(flavor.arrival_samples, window_s), self._arrivals),
+            "interarrival_scv": _Query(
+                q(flavor.arrival_samples, max(window_s, scv_span_s)), self._scv
+            ),
+            "arrival_counts": _Query(q(flavor.arrival_samples, window_s), self._counts),
             "ttft_p99_s": _Query(q(flavor.ttft_p99, window_s), _single_value),
             "tpot_p99_s": _Query(q(flavor.tpot_p99, window_s), _single_value),
             "prompt_buckets": _Query(q(flavor.prompt_buckets, window_s), _buckets),
@@ -189,15 +197,14 @@ class PrometheusSource:
                 requests=histogram_count(values["output_buckets"]) or 0.0,
                 n=self._n_samples,
             )
-        arrivals: _ArrivalSamples | None = values["interarrival_scv"]
         return Observation(
             time_s=now_s,
             prefill=prefill,
             decode=decode,
             arrival_rate_rps=values["arrival_rate_rps"],
             burst_arrival_rate_rps=values["burst_arrival_rate_rps"],
-            interarrival_scv=None if arrivals is None else arrivals.scv,
-            arrival_counts=None if arrivals is None else arrivals.counts,
+            interarrival_scv=values["interarrival_scv"],
+            arrival_counts=values["arrival_counts"],
             lengths=lengths,
             ttft_p99_s=values["ttft_p99_s"],
             tpot_p99_s=values["tpot_p99_s"],
@@ -277,23 +284,21 @@ class PrometheusSource:
             raise MeasurementUnavailable("malformed answer: no data object")
         return data
 
-    def _arrivals(self, data: Mapping[str, Any]) -> _ArrivalSamples:
-        """The request counters' raw samples: their ca² and the arrivals' record (one
-        query serves both); unavailable only when neither can be read."""
-        series = _series(data)
-        scv = interarrival_scv(series, step_s=self._scv_step_s)
-        counts = cumulative_arrivals(series)
-        if scv is None and counts is None:
+    def _scv(self, data: Mapping[str, Any]) -> float:
+        """The request counters' ca² over the span (``interarrival_scv``)."""
+        scv = interarrival_scv(_series(data), step_s=self._scv_step_s, window_s=self._window_s)
+        if scv is None:
             raise MeasurementUnavailable(
                 f"fewer than 3 sub-windows of {self._scv_step_s:g} s, or no arrivals"
             )
-        return _ArrivalSamples(scv=scv, counts=counts)
+        return scv
 
-
-@dataclass(frozen=True, kw_only=True)
-class _ArrivalSamples:
-    scv: float | None  # None: too few sub-windows yet, or no arrivals
-    counts: tuple[CounterSample, ...] | None
+    def _counts(self, data: Mapping[str, Any]) -> tuple[CounterSample, ...]:
+        """The arrivals' record over the window (``cumulative_arrivals``)."""
+        counts = cumulative_arrivals(_series(data))
+        if counts is None:
+            raise MeasurementUnavailable("fewer than 2 samples of the request counters")
+        return counts
 
 
 # -- the API's result shapes --------------------------------------------------------------

@@ -34,6 +34,12 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.counters import (
+    CounterSample,
+    corrected_increase,
+    cumulative_arrivals,
+    interarrival_scv,
+)
 from controller.histograms import (
     DEFAULT_SAMPLES,
     histogram_count,
@@ -42,12 +48,6 @@ from controller.histograms import (
 )
 from controller.observation import Observation, PoolObservation
 from controller.sources.base import FailureLog, MeasurementUnavailable, pool_replicas
-from controller.sources.counters import (
-    CounterSample,
-    corrected_increase,
-    cumulative_arrivals,
-    interarrival_scv,
-)
 from queueing.pools import Pool
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,9 @@ class ScrapeSource:
 
     ``urls``: scrape URLs (``/metrics`` is appended to one without a path).
     ``clock``: seconds, monotonic, stamps the snapshots (``now_s`` is only stamped on
-    the ``Observation``). Windows and ``n_length_samples`` as for ``PrometheusSource``.
+    the ``Observation``). Windows, ``scv_step_s``, ``scv_span_s`` and
+    ``n_length_samples`` as for ``PrometheusSource``: the snapshots are kept for the
+    longest of them.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class ScrapeSource:
         burst_window_s: float = 5.0,
         timeout_s: float = 2.0,
         scv_step_s: float = 5.0,
+        scv_span_s: float = 300.0,
         n_length_samples: int = DEFAULT_SAMPLES,
         clock: Callable[[], float],
         client: httpx.Client | None = None,
@@ -117,6 +120,7 @@ class ScrapeSource:
             ("burst_window_s", burst_window_s),
             ("timeout_s", timeout_s),
             ("scv_step_s", scv_step_s),
+            ("scv_span_s", scv_span_s),
         ):
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
@@ -127,6 +131,7 @@ class ScrapeSource:
         self._burst_window_s = float(burst_window_s)
         self._timeout_s = float(timeout_s)
         self._scv_step_s = float(scv_step_s)
+        self._scv_span_s = max(float(scv_span_s), self._window_s)
         self._n_samples = n_length_samples
         self._clock = clock
         self._owns_client = client is None
@@ -167,7 +172,7 @@ class ScrapeSource:
                 answered.add(url)
         snapshot = Snapshot(time_s=time_s, answered=frozenset(answered), values=values)
         self._ring.append(snapshot)
-        horizon = MAX_SPAN * max(self._window_s, self._burst_window_s)
+        horizon = max(MAX_SPAN * max(self._window_s, self._burst_window_s), self._scv_span_s)
         while len(self._ring) > 1 and time_s - self._ring[0].time_s > horizon:
             self._ring.popleft()
         return snapshot
@@ -206,15 +211,18 @@ class ScrapeSource:
                 requests=(finished or 0.0) * window,
                 n=self._n_samples,
             )
-        counters = self._request_counters()
+        counters = self._request_counters(self._window_s)
+        scv_counters = self._request_counters(self._scv_span_s)
         return Observation(
             time_s=now_s,
             prefill=prefill,
             decode=decode,
             arrival_rate_rps=None if arrivals is None else sum(arrivals.values()),
             burst_arrival_rate_rps=None if burst_arrivals is None else sum(burst_arrivals.values()),
-            interarrival_scv=interarrival_scv(counters, step_s=self._scv_step_s)
-            if counters
+            interarrival_scv=interarrival_scv(
+                scv_counters, step_s=self._scv_step_s, window_s=self._window_s
+            )
+            if scv_counters
             else None,
             arrival_counts=cumulative_arrivals(counters) if counters else None,
             lengths=lengths,
@@ -277,11 +285,11 @@ class ScrapeSource:
         rates = self._rates(name, self._window_s)
         return None if rates is None else histogram_quantile(0.99, _by_le(rates))
 
-    def _request_counters(self) -> list[list[CounterSample]]:
-        """Each request counter's samples over the window (for its ca² and the
-        arrivals' record)."""
+    def _request_counters(self, span_s: float) -> list[list[CounterSample]]:
+        """Each request counter's samples over the last ``span_s`` (the window for the
+        arrivals' record, the SCV's span for its ca²)."""
         newest = self._ring[-1]
-        recent = [s for s in self._ring if newest.time_s - s.time_s <= self._window_s]
+        recent = [s for s in self._ring if newest.time_s - s.time_s <= span_s]
         series: list[list[CounterSample]] = []
         for key in newest.values:
             if key.name == REQUESTS:

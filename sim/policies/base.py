@@ -27,7 +27,7 @@ from queueing.pools import Pool
 from queueing.profile import IterationProfile
 from queueing.solver import CapacityModel, InfeasibleSLOError, KvLink, SloTargets, solve
 from sim.cluster import Cluster, ClusterConfig, ClusterSnapshot
-from sim.control import window_scv
+from sim.control import counted_scv
 from sim.results import SimResults
 from sim.trace import FloatArray, Trace
 
@@ -235,6 +235,7 @@ def window_allocation(
 WARM_START_WINDOW_S = 300.0
 # The measurement window the warm start's ca² is measured over, as a controller does.
 WARM_START_MEASUREMENT_S = 30.0
+WARM_START_STEP_S = 5.0  # the production sources' sub-window of the ca² estimate
 
 
 def warm_start(trace: Trace, scenario: Scenario) -> Allocation:
@@ -244,26 +245,26 @@ def warm_start(trace: Trace, scenario: Scenario) -> Allocation:
     wins or loses by its starting point.
 
     The load is measured as the simulated controller measures it: the mean rate,
-    and the ca² of each 30-s window (``sim.control.window_scv``) averaged over the
-    five minutes, as the controller pools it. The gap SCV of five minutes at once
-    would count the rate's changes over minutes as burstiness: on the code trace it
-    is 192 where the windows measure 7 on average, and the solver's answer at it is
-    22 prefill workers where the oracle's first window needs 5.
+    and the ca² its source reads at the end of the five minutes, from 5-s counts
+    about each 30-s window's level (``sim.control.counted_scv``). The gap SCV of five
+    minutes at once would count the rate's changes over minutes as burstiness: on
+    the code trace it is 192, and the solver's answer at it is 22 prefill workers
+    where the oracle's first window needs 5.
     """
     end_s = min(WARM_START_WINDOW_S, max(trace.duration_s, 1.0))
     lo, hi = (int(i) for i in np.searchsorted(trace.arrival_s, [0.0, end_s], side="left"))
-    arrivals = trace.arrival_s[lo:hi]
-    ends = np.arange(WARM_START_MEASUREMENT_S, end_s + 1e-9, WARM_START_MEASUREMENT_S)
-    windows = [
-        window_scv(arrivals[(arrivals > t - WARM_START_MEASUREMENT_S) & (arrivals <= t)])
-        for t in ends
-    ]
-    measured = [c for c in windows if c is not None]
+    measured = counted_scv(
+        trace.arrival_s[lo:hi],
+        end_s=end_s,
+        span_s=end_s,
+        step_s=WARM_START_STEP_S,
+        window_s=WARM_START_MEASUREMENT_S,
+    )
     return solver_allocation(
         scenario,
         window_lengths(trace, lo, hi),
         rate_rps=(hi - lo) / end_s,
-        ca2=float(np.mean(measured)) if measured else 1.0,
+        ca2=1.0 if measured is None else measured,
     )
 
 

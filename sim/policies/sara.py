@@ -85,7 +85,12 @@ class SaraPolicy:
             config=cfg,
             config_version="backtest",
             state=self._state,
-            source=SimulatedSource(view, window_s=cfg.window_s, burst_window_s=cfg.burst_window_s),
+            source=SimulatedSource(
+                view,
+                window_s=cfg.window_s,
+                burst_window_s=cfg.burst_window_s,
+                scv_span_s=cfg.lead_time.pool_s,
+            ),
             actuator=actuator,
             load_profile=lambda _spec: self._scenario.profile,
             models=self._models,

@@ -13,10 +13,10 @@ import pytest
 from scipy import stats
 
 from controller.config import ControllerConfig, ForecastConfig
+from controller.counters import cumulative_arrivals
 from controller.observation import Observation, PoolObservation
 from controller.policy import ControllerState
 from controller.policy.forecast import RecordedArrivals, forecast_rate_rps, trend_forecast
-from controller.sources.counters import cumulative_arrivals
 from controller.tick import forecast_config
 
 A_RPS, B_RPS_PER_S = 1.0, 0.05  # a ramp: 1 req/s rising by 3 req/s a minute

@@ -47,7 +47,9 @@ def test_a_tail_inside_one_bucket_reads_where_linear_interpolation_puts_it() -> 
     tpot = np.concatenate([np.full(990, 0.0401), np.full(10, 0.0449)])  # in (0.04, 0.045]
     assert 1.0 in TTFT_BUCKETS_S and 1.1 in TTFT_BUCKETS_S
     assert 0.04 in TPOT_BUCKETS_S and 0.045 in TPOT_BUCKETS_S
-    seen = observation_from(window(ttft, tpot), window(ttft, tpot), now_s=30.0, replicas=REPLICAS)
+    seen = observation_from(
+        window(ttft, tpot), window(ttft, tpot), now_s=30.0, replicas=REPLICAS, interarrival_scv=1.0
+    )
     assert seen.ttft_p99_s == pytest.approx(1.0 + 0.99 * 0.1, rel=1e-9)
     assert seen.tpot_p99_s == pytest.approx(0.04 + 0.99 * 0.005, rel=1e-9)
 

@@ -13,12 +13,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from controller.sources.counters import (
+from controller.counters import (
     CounterSample,
     corrected_increase,
     cumulative_arrivals,
     dispersion_index,
     interarrival_scv,
+    level_robust_dispersion,
 )
 
 
@@ -103,14 +104,14 @@ def test_gamma_renewal_arrivals_give_their_ca2(
     n = int(RATE_RPS * DURATION_S * 1.2)
     arrivals = renewal(rng.gamma(shape, 1.0 / (shape * RATE_RPS), size=n))
     samples = scraped(arrivals, every_s=scrape_s, until_s=DURATION_S)
-    estimate = interarrival_scv([samples], step_s=step_s)
+    estimate = interarrival_scv([samples], step_s=step_s, window_s=6 * step_s)
     within_standard_errors(estimate, 1.0 / shape, int(DURATION_S / step_s))
 
 
 def test_evenly_spaced_arrivals_have_no_dispersion() -> None:
     arrivals = renewal(np.full(2000, 0.05))  # 20 per second, exactly
     samples = scraped(arrivals, every_s=1.0, until_s=90.0, phase_s=0.025)
-    assert interarrival_scv([samples], step_s=5.0) == pytest.approx(0.0, abs=1e-12)
+    assert interarrival_scv([samples], step_s=5.0, window_s=30.0) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_two_routers_read_at_different_moments_sum_to_the_whole_stream() -> None:
@@ -121,7 +122,9 @@ def test_two_routers_read_at_different_moments_sum_to_the_whole_stream() -> None
         scraped(arrivals[to_first], every_s=1.0, until_s=DURATION_S, phase_s=0.3),
         scraped(arrivals[~to_first], every_s=1.0, until_s=DURATION_S, phase_s=0.7),
     ]
-    within_standard_errors(interarrival_scv(series, step_s=5.0), 1.0, int(DURATION_S / 5))
+    within_standard_errors(
+        interarrival_scv(series, step_s=5.0, window_s=30.0), 1.0, int(DURATION_S / 5)
+    )
 
 
 def with_a_restart() -> tuple[list[CounterSample], list[CounterSample]]:
@@ -136,19 +139,19 @@ def with_a_restart() -> tuple[list[CounterSample], list[CounterSample]]:
 
 def test_a_restart_does_not_change_the_estimate() -> None:
     samples, restarted = with_a_restart()
-    assert interarrival_scv([restarted], step_s=5.0) == pytest.approx(
-        interarrival_scv([samples], step_s=5.0), rel=1e-12
+    assert interarrival_scv([restarted], step_s=5.0, window_s=30.0) == pytest.approx(
+        interarrival_scv([samples], step_s=5.0, window_s=30.0), rel=1e-12
     )
 
 
 def test_the_scv_is_none_with_too_short_a_history_or_no_arrivals() -> None:
     short = [(0.0, 0.0), (1.0, 5.0), (2.0, 9.0)]
-    assert interarrival_scv([short], step_s=1.0) is None  # two sub-windows
+    assert interarrival_scv([short], step_s=1.0, window_s=30.0) is None  # two sub-windows
     idle = [(float(t), 42.0) for t in range(60)]
-    assert interarrival_scv([idle], step_s=5.0) is None
-    assert interarrival_scv([], step_s=5.0) is None
+    assert interarrival_scv([idle], step_s=5.0, window_s=30.0) is None
+    assert interarrival_scv([], step_s=5.0, window_s=30.0) is None
     with pytest.raises(ValueError, match=r"^step_s:"):
-        interarrival_scv([idle], step_s=0.0)
+        interarrival_scv([idle], step_s=0.0, window_s=30.0)
 
 
 def test_one_counter_s_record_counts_every_arrival_up_to_each_sample() -> None:
@@ -194,3 +197,75 @@ def test_the_record_needs_two_readings_and_finite_values() -> None:
     assert cumulative_arrivals([[(0.0, 3.0)]]) is None
     assert cumulative_arrivals([]) is None
     assert cumulative_arrivals([[(0.0, 1.0), (1.0, math.nan)]]) is None
+
+
+# -- a change of the rate is no dispersion ----------------------------------------------
+
+
+def poisson(rng: np.random.Generator, rate_rps: float, start_s: float, end_s: float) -> np.ndarray:
+    n = rng.poisson(rate_rps * (end_s - start_s))
+    arrivals: np.ndarray = np.sort(rng.uniform(start_s, end_s, size=n))
+    return arrivals
+
+
+def on_off(rng: np.random.Generator) -> np.ndarray:
+    """Poisson bursts at 25 req/s for 70 s after 130 s of near silence, five times
+    over 1,000 s; the changes fall inside sub-windows (at 130.0 + 200 j + 2.5 s)."""
+    parts = []
+    for j in range(5):
+        t0 = 200.0 * j
+        parts += [poisson(rng, 0.05, t0, t0 + 132.5), poisson(rng, 25.0, t0 + 132.5, t0 + 200.0)]
+    return np.concatenate(parts)
+
+
+def test_bursts_after_silence_are_a_change_of_level_not_dispersion() -> None:
+    # The arrivals of either level are Poisson (ca² 1); the plain index of dispersion
+    # of the 5-s counts reads the levels' difference as burstiness.
+    arrivals = on_off(np.random.default_rng(5))
+    samples = scraped(arrivals, every_s=1.0, until_s=1000.0)
+    estimate = interarrival_scv([samples], step_s=5.0, window_s=30.0)
+    bursting = int(5 * 67.5 / 5)  # the sub-windows that hold arrivals
+    within_standard_errors(estimate, 1.0, bursting)
+    counts = np.diff([v for t, v in samples if t % 5.0 == 0.0])
+    assert dispersion_index(counts, np.full(len(counts), 5.0)) > 20.0
+
+
+def test_clusters_of_simultaneous_requests_stay_dispersion() -> None:
+    # Compound Poisson: clusters at 1 per second, each of 10 simultaneous requests,
+    # so every interval's count is 10 x Poisson: an index of dispersion of exactly 10.
+    rng = np.random.default_rng(9)
+    clusters = poisson(rng, 1.0, 0.0, 2000.0)
+    arrivals = np.repeat(clusters, 10)
+    samples = scraped(arrivals, every_s=1.0, until_s=2000.0)
+    within_standard_errors(interarrival_scv([samples], step_s=5.0, window_s=30.0), 10.0, 400)
+
+
+def test_a_level_that_began_in_the_newest_sub_window_is_not_read_as_dispersion() -> None:
+    # The tick that first sees a burst cannot know it will last; a spike there is
+    # taken as a level for one tick, and the Poisson before it is what is measured.
+    rng = np.random.default_rng(13)
+    arrivals = np.concatenate([poisson(rng, 4.0, 0.0, 297.0), poisson(rng, 40.0, 297.0, 300.0)])
+    samples = scraped(arrivals, every_s=1.0, until_s=300.5)
+    within_standard_errors(interarrival_scv([samples], step_s=5.0, window_s=30.0), 1.0, 60)
+
+
+def test_each_window_is_judged_about_its_own_level() -> None:
+    # Counts that change from window to window but are even inside each: no dispersion.
+    counts = np.repeat([10.0, 20.0, 10.0, 30.0, 20.0], 6)
+    assert dispersion_index(counts, np.full(30, 5.0)) > 3.0
+    assert level_robust_dispersion(counts, np.full(30, 5.0), window_intervals=6) == 0.0
+
+
+def test_the_level_robust_dispersion_is_the_plain_one_for_one_window() -> None:
+    counts = [12.0, 7.0, 30.0, 1.0, 9.0, 14.0]
+    expected = dispersion_index(counts, [5.0] * 6)
+    assert level_robust_dispersion(counts, [5.0] * 6, window_intervals=6) == pytest.approx(
+        expected, rel=1e-12
+    )
+
+
+def test_the_level_robust_dispersion_rejects_what_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match=r"^window_intervals:"):
+        level_robust_dispersion([1.0, 2.0, 3.0], [1.0] * 3, window_intervals=0)
+    with pytest.raises(ValueError, match=r"^window_s:"):
+        interarrival_scv([[(0.0, 0.0), (10.0, 5.0)]], step_s=5.0, window_s=0.0)
