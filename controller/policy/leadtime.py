@@ -21,9 +21,10 @@ point estimate plus a fixed margin:
 - ``significant``: whether a count is beyond the noise the measured SCV implies for
   the estimate, or the window-to-window spread actually seen when that is larger
   (``window_spread``; the burst and rate-shift tests of ``smoothing``);
-- ``pooled_lengths`` / ``pooled_scv``: the length mix and the SCV pooled over a
-  longer horizon than one window, so a recommendation moves when the mix does and
-  not with the sampling noise of a few dozen heavy-tailed requests.
+- ``pooled_lengths``: the length mix pooled over a longer horizon than one window, so
+  a recommendation moves when the mix does and not with the sampling noise of a few
+  dozen heavy-tailed requests; ``newest_scv``: the ca², which the sources read over
+  that horizon themselves.
 
 The quantile's level is the SLO's percentile (``risk_z``): the pools are sized so
 that the rate over a lead time exceeds the plan no more often than the SLO lets a
@@ -522,9 +523,13 @@ def pooled_lengths(
     )
 
 
-def pooled_scv(rates: tuple[RateSample, ...], *, now_s: float, pool_s: float) -> float | None:
-    """The mean inter-arrival SCV of the windows measured in the last ``pool_s``."""
+def newest_scv(rates: tuple[RateSample, ...], *, now_s: float, pool_s: float) -> float | None:
+    """The newest ca² measured in the last ``pool_s``. The sources read it over that
+    span already (``controller.counters.interarrival_scv`` over ``lead_time.pool_s``),
+    so each estimate holds the ones before it: a mean of the overlapping estimates
+    would smooth twice, over up to twice the span, and lag a change of burstiness by
+    as much. An older one stands in for a tick that measured none."""
     seen = [r.scv for r in rates if r.scv is not None and r.time_s > now_s - pool_s]
     if not seen:
         return None
-    return float(np.mean(seen))
+    return float(seen[-1])

@@ -40,10 +40,10 @@ from controller.policy.leadtime import (
     forecast_horizon_s,
     lead_time_s,
     measure_startup,
+    newest_scv,
     pool_window,
     pooled_lengths,
     pooled_requests,
-    pooled_scv,
     rate_upper,
     record_rate,
     response_s,
@@ -110,7 +110,8 @@ def decide(
         measured_pools[pool] = pstate
         reasons.extend([maybe] if maybe else [])
 
-    # The length mix and the SCV pooled over lead.pool_s of windows, this one included.
+    # The length mix pooled over lead.pool_s of windows, this one included (the ca², read
+    # over that span by the source, is the newest).
     windows = pool_window(
         state.length_windows, observation.lengths, now_s=now_s, pool_s=lead.pool_s
     )
@@ -129,7 +130,7 @@ def decide(
         return _hold(observation, replace(state, length_windows=windows), current, few, now_s)
     lengths, lengths_entry = choose_lengths(seen_lengths, state.lengths)
     this_tick = RateSample(time_s=now_s, rate_rps=raw_rate, estimate_rps=raw_rate, scv=seen_scv)
-    pooled = pooled_scv((*state.rates, this_tick), now_s=now_s, pool_s=lead.pool_s)
+    pooled = newest_scv((*state.rates, this_tick), now_s=now_s, pool_s=lead.pool_s)
     ca2_value = 1.0 if pooled is None else pooled
     # Observed requests fit the context; pairs rebuilt from histograms may not.
     fitting = observed_within_context(lengths, profile.max_context_tokens)

@@ -22,10 +22,10 @@ from controller.policy.leadtime import (
     forecast_horizon_s,
     lead_time_s,
     measure_startup,
+    newest_scv,
     pool_window,
     pooled_lengths,
     pooled_requests,
-    pooled_scv,
     rate_upper,
     response_s,
     risk_z,
@@ -187,7 +187,7 @@ def test_a_scale_up_overtaken_by_a_smaller_target_is_dropped_unmeasured() -> Non
     assert lead_time_s(got, CONFIG) == CONFIG.lead_time.startup_prior_s + CONFIG.interval_s
 
 
-def test_the_mix_and_the_scv_are_pooled_over_the_last_windows() -> None:
+def test_the_mix_is_pooled_over_the_last_windows() -> None:
     def mix(prompt: int, n: int) -> LengthSamples:
         return LengthSamples(
             prompt_tokens=np.full(n, prompt, dtype=np.int64),
@@ -203,11 +203,20 @@ def test_the_mix_and_the_scv_are_pooled_over_the_last_windows() -> None:
     assert pooled is not None
     assert len(pooled.prompt_tokens) == 2 * MAX_WINDOW_SAMPLES
     assert float(pooled.prompt_tokens.mean()) == pytest.approx(250.0)
+
+
+
+def test_the_ca2_is_the_newest_the_source_read_over_the_pool_s_span() -> None:
     rates = tuple(
         RateSample(time_s=t, rate_rps=1.0, estimate_rps=1.0, scv=s)
-        for t, s in ((0.0, 9.0), (30.0, 1.0), (60.0, 3.0))
+        for t, s in ((0.0, 9.0), (30.0, 1.0), (60.0, 3.0), (90.0, None))
     )
-    assert pooled_scv(rates, now_s=60.0, pool_s=60.0) == pytest.approx(2.0)
+    # Each estimate already spans the pool: the newest holds the older ones.
+    assert newest_scv(rates[:3], now_s=60.0, pool_s=60.0) == 3.0
+    # A tick that measured none keeps the newest within the span...
+    assert newest_scv(rates, now_s=90.0, pool_s=60.0) == 3.0
+    # ... and none older than the span stands in.
+    assert newest_scv(rates, now_s=130.0, pool_s=60.0) is None
 
 
 def _mix(n: int) -> LengthSamples:
