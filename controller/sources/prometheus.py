@@ -93,7 +93,7 @@ class PrometheusSource:
     burst rate; ``scv_step_s``: the sub-window of the ca² estimate (use at least the
     scrape interval: sub-windows without a new sample are dropped); ``scv_span_s``:
     how far back the request counters are read for it, to tell a change of level from
-    a burst (the policy's ``lead_time.pool_s``, over which it pools the estimates).
+    a burst (the policy's ``lead_time.pool_s``, the span it pools the length mix over).
     ``n_length_samples``: how many (prompt, output) pairs to reconstruct.
     ``metrics``: the flavour (whose metric names) and the pools' label matchers.
     An injected ``client`` is used as is and not closed by ``close()``.
