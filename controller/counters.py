@@ -190,6 +190,9 @@ def _best_split(
         tail = window if b < n else 1  # the newest may have just begun
         for k in range(a + head, b - tail + 1):
             trial = fit.deviations(sorted([*changes, k]))
+            # A split that leaves no degree of freedom has no noise to be judged against.
+            if trial[1] <= 0:
+                continue
             if best is None or trial[0] < best[1][0]:
                 best = (k, trial)
     return best

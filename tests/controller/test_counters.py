@@ -264,6 +264,18 @@ def test_the_level_robust_dispersion_is_the_plain_one_for_one_window() -> None:
     )
 
 
+def test_a_change_of_level_needs_a_degree_of_freedom_left_to_be_judged_by() -> None:
+    # Three sub-windows of an even 50 req/s read by a jittery scrape: any split leaves
+    # pieces of one sub-window, with no noise to measure a change against, so the
+    # counts are judged as one level (the plain index), not as no estimate at all.
+    counts, durations = [109.0, 111.0, 103.0], [2.19, 2.21, 2.06]
+    expected = dispersion_index(counts, durations)
+    assert expected is not None
+    assert level_robust_dispersion(counts, durations, window_intervals=4) == pytest.approx(
+        expected, rel=1e-12
+    )
+
+
 def test_the_level_robust_dispersion_rejects_what_it_cannot_use() -> None:
     with pytest.raises(ValueError, match=r"^window_intervals:"):
         level_robust_dispersion([1.0, 2.0, 3.0], [1.0] * 3, window_intervals=0)
