@@ -107,10 +107,18 @@ def level_robust_dispersion(
         if best is None:
             break
         k, (num, den) = best
-        before, _ = fit.deviations(changes)
+        before, before_den = fit.deviations(changes)
         a = max((x for x in changes if x < k), default=0)
         b = min((x for x in changes if x > k), default=n)
-        phi = num / den if den > 0 else 0.0
+        # The noise is the dispersion fitted after the split (robust to the change it
+        # tests); where the split leaves no degree of freedom, the one fitted without it
+        # (the null's own, conservative under a change); with neither, nothing to judge.
+        if den > 0:
+            phi = num / den
+        elif before_den > 0:
+            phi = before / before_den
+        else:
+            break
         level_rate = float(c[a:b].sum() / d[a:b].sum())
         noise = max(phi * level_rate * float(d[a:b].mean()), 1e-12)
         positions = n - len(changes)
@@ -190,9 +198,6 @@ def _best_split(
         tail = window if b < n else 1  # the newest may have just begun
         for k in range(a + head, b - tail + 1):
             trial = fit.deviations(sorted([*changes, k]))
-            # A split that leaves no degree of freedom has no noise to be judged against.
-            if trial[1] <= 0:
-                continue
             if best is None or trial[0] < best[1][0]:
                 best = (k, trial)
     return best

@@ -276,6 +276,16 @@ def test_a_change_of_level_needs_a_degree_of_freedom_left_to_be_judged_by() -> N
     )
 
 
+def test_a_burst_in_the_newest_sub_window_after_silence_is_a_change_not_dispersion() -> None:
+    # Silent sub-windows then a burst just begun: the change is beyond doubt (judged
+    # against the dispersion fitted without it), and what is left after it holds no
+    # degree of freedom, so there is no estimate rather than the burst read as noise.
+    counts, durations = [0.0] * 14 + [60.0], [2.0] * 15
+    pooled = dispersion_index(counts, durations)
+    assert pooled is not None and pooled > 10.0
+    assert level_robust_dispersion(counts, durations, window_intervals=15) is None
+
+
 def test_the_level_robust_dispersion_rejects_what_it_cannot_use() -> None:
     with pytest.raises(ValueError, match=r"^window_intervals:"):
         level_robust_dispersion([1.0, 2.0, 3.0], [1.0] * 3, window_intervals=0)
