@@ -276,7 +276,8 @@ def rate_upper(
     variance: a fall in the rate is no risk for the plan) less the counting noise of
     the realised mean (estimate·c²/span), never below zero. The drift's part of the
     bound reaches no higher than the highest rate the history realised over a lead
-    time, and the bound is never below the estimate plus its own noise part.
+    time or the window measured now (a ramp into new territory has been seen there),
+    and the bound is never below the estimate plus its own noise part.
     """
     interval = config.interval_s
     window = config.window_s
@@ -321,8 +322,25 @@ def rate_upper(
         # The history's moves are evidence up to the highest lead-time rate it holds:
         # beyond that the normal tail would be extrapolation (an on/off load at its
         # peak does not rise by the size of its own jumps), so the drift's part of
-        # the bound stops there.
-        upper = max(floor, min(with_drift, realised_max))
+        # the bound stops there; the window measured now is evidence too, or a ramp
+        # beyond anything the history holds would be planned below its own level.
+        ceiling = realised_max
+        if measured_rps is not None and measured_rps > realised_max:
+            # Beyond the history only where the window is beyond its noise about
+            # that ceiling (counting, or how much windows were seen to move).
+            spread = window_spread(
+                rates, now_s=now_s, pool_s=config.lead_time.history_s, interval_s=interval
+            )
+            beyond, _ = significant(
+                measured_rps * window,
+                realised_max * window,
+                ca2,
+                z,
+                spread_count=0.0 if spread is None else spread * window,
+            )
+            if beyond:
+                ceiling = measured_rps
+        upper = max(floor, min(with_drift, ceiling))
     else:
         upper = floor
     return RateBound(

@@ -129,6 +129,41 @@ def test_the_drift_is_the_upper_semivariance_of_past_errors_over_the_lead_time()
     assert bound.upper_rps == pytest.approx(12.0)
 
 
+def test_a_window_beyond_the_history_and_its_noise_lifts_the_drift_ceiling() -> None:
+    # The history of the test above: it never realised more than 12 req/s over a lead
+    # time, and its windows moved by a root half mean squared successive difference
+    # of sqrt(8) req/s. A window well beyond 12 and that noise is a ramp into new
+    # territory: the drift's part may reach up to it. One within the noise is not.
+    measured = [10.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0]
+    rates = tuple(
+        RateSample(time_s=30.0 * i, rate_rps=r, estimate_rps=10.0, scv=1.0)
+        for i, r in enumerate(measured)
+    )
+    now = 30.0 * len(measured)
+
+    def upper(measured_rps: float) -> float:
+        return rate_upper(
+            rates,
+            estimate_rps=10.0,
+            ca2=1.0,
+            lead_s=60.0,
+            z=2.0,
+            config=CONFIG,
+            now_s=now,
+            measured_rps=measured_rps,
+        ).upper_rps
+
+    # Every past error is +2, so no line in the gaps: the errors are taken about zero.
+    drift_var = 2 * 2.0**2 - 10.0 / (30.0 + CONFIG.window_s)
+    noise_var = CONFIG.ema_weight / (2 - CONFIG.ema_weight) * 10.0 / CONFIG.window_s
+    unbounded = 10.0 + 2.0 * math.sqrt(noise_var + drift_var)
+    assert unbounded > 13.0
+    # 13 is within one spread of 12: the ceiling stays at the history's 12.
+    assert upper(13.0) == pytest.approx(12.0)
+    # 25 is beyond 12 by more than four spreads: the ceiling moves to 25, above the tail.
+    assert upper(25.0) == pytest.approx(unbounded)
+
+
 def test_a_gap_in_the_history_is_not_read_as_a_lead_time() -> None:
     rates = (
         RateSample(time_s=0.0, rate_rps=10.0, estimate_rps=10.0, scv=1.0),
@@ -203,7 +238,6 @@ def test_the_mix_is_pooled_over_the_last_windows() -> None:
     assert pooled is not None
     assert len(pooled.prompt_tokens) == 2 * MAX_WINDOW_SAMPLES
     assert float(pooled.prompt_tokens.mean()) == pytest.approx(250.0)
-
 
 
 def test_the_ca2_is_the_newest_the_source_read_over_the_pool_s_span() -> None:
