@@ -102,15 +102,17 @@ def test_without_history_the_bound_is_the_estimates_own_noise() -> None:
     assert bound.drift_rps == 0.0 and bound.history == 0
 
 
+# Windows of 10 and 14 req/s about estimates of 10: every past estimate's realised
+# mean over its next two ticks is 12.
+ALTERNATING = [10.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0]
+
+
 def test_the_drift_is_the_upper_semivariance_of_past_errors_over_the_lead_time() -> None:
     # Estimates of 10 req/s, ticks of 30 s; a lead time of 60 s spans the next two
     # ticks. The measured rates alternate so that every past estimate's realised mean
     # over its next two ticks is 12 (an error of +2) or 10 (error 0).
-    measured = [10.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0]
-    rates = tuple(
-        RateSample(time_s=30.0 * i, rate_rps=r, estimate_rps=10.0, scv=1.0)
-        for i, r in enumerate(measured)
-    )
+    measured = ALTERNATING
+    rates = _history(measured, [10.0] * len(measured))
     now = 30.0 * len(measured)
     bound = rate_upper(
         rates, estimate_rps=10.0, ca2=1.0, lead_s=60.0, z=2.0, config=CONFIG, now_s=now
@@ -134,11 +136,8 @@ def test_a_window_beyond_the_history_and_its_noise_lifts_the_drift_ceiling() -> 
     # time, and its windows moved by a root half mean squared successive difference
     # of sqrt(8) req/s. A window well beyond 12 and that noise is a ramp into new
     # territory: the drift's part may reach up to it. One within the noise is not.
-    measured = [10.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0]
-    rates = tuple(
-        RateSample(time_s=30.0 * i, rate_rps=r, estimate_rps=10.0, scv=1.0)
-        for i, r in enumerate(measured)
-    )
+    measured = ALTERNATING
+    rates = _history(measured, [10.0] * len(measured))
     now = 30.0 * len(measured)
 
     def upper(measured_rps: float) -> float:
