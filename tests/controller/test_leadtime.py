@@ -109,8 +109,7 @@ ALTERNATING = [10.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0, 10.0, 14.0]
 
 def test_the_drift_is_the_upper_semivariance_of_past_errors_over_the_lead_time() -> None:
     # Estimates of 10 req/s, ticks of 30 s; a lead time of 60 s spans the next two
-    # ticks. The measured rates alternate so that every past estimate's realised mean
-    # over its next two ticks is 12 (an error of +2) or 10 (error 0).
+    # ticks; ``ALTERNATING`` gives every past estimate an error of +2 over it.
     measured = ALTERNATING
     rates = _history(measured, [10.0] * len(measured))
     now = 30.0 * len(measured)
