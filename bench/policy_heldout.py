@@ -9,10 +9,16 @@ uses, to see whether a change that helps there helps elsewhere:
   4 req/s on llama-3.1-70b TP4 on H100 (2 s / 0.1 s; a 101-s start-up), each after
   10 minutes and held for 15;
 - two ramps over 10 minutes after 5 calm ones (Gamma SCV 2): 3 -> 12 req/s on the
-  70B profile and 5 -> 40 req/s on the 8B one.
+  70B profile and 5 -> 40 req/s on the 8B one;
+- three shapes where the load falls as well as rises, drawn later to judge changes to
+  scale-down: a fall 12 -> 3 req/s over 10 minutes after 5 at 12 (70B, Gamma SCV 2);
+  two 15-minute sinusoidal cycles between 4 and 20 req/s (llama-3-8b on A100-80GB,
+  Gamma SCV 3); a square wave alternating 2 minutes at 6 req/s and 2 at 18 for 30
+  minutes (Poisson, llama-3-8b on H100), whose load leaves and comes back within a
+  few start-ups.
 
 ShareGPT lengths throughout. Prints attainment, GPU-hours, scale events and lost
-requests per workload and policy (about 20 s on one core):
+requests per workload and policy (about 40 s on one core):
 
     .venv/bin/python bench/policy_heldout.py [--policies sara,static-peak]
 """
@@ -72,6 +78,33 @@ def ramp(*, low_rps: float, high_rps: float, seed: int) -> Trace:
     return synthesize(arrival_s=arrivals, lengths=load_lengths(SHAREGPT), rng=rng, source=source)
 
 
+def cycle(*, low_rps: float, high_rps: float, period_s: float, ca2: float, seed: int) -> Trace:
+    """Two periods of a sinusoid between ``low_rps`` and ``high_rps``, from the trough."""
+    rng = np.random.default_rng(seed)
+    mid, half = (high_rps + low_rps) / 2.0, (high_rps - low_rps) / 2.0
+
+    def rate(t: np.ndarray) -> np.ndarray:
+        return mid - half * np.cos(2.0 * np.pi * t / period_s)
+
+    arrivals = _time_changed(rate, duration_s=2.0 * period_s, ca2=ca2, rng=rng)
+    source = f"ShareGPT lengths, a {period_s:g}-s cycle {low_rps:g}-{high_rps:g} req/s, SCV {ca2:g}"
+    return synthesize(arrival_s=arrivals, lengths=load_lengths(SHAREGPT), rng=rng, source=source)
+
+
+def square(*, low_rps: float, high_rps: float, half_period_s: float, seed: int) -> Trace:
+    """Poisson arrivals alternating ``half_period_s`` at ``low_rps`` and at ``high_rps``
+    for 30 minutes, from the low level."""
+    rng = np.random.default_rng(seed)
+
+    def rate(t: np.ndarray) -> np.ndarray:
+        high = np.floor(t / half_period_s) % 2 == 1
+        return np.where(high, high_rps, low_rps)
+
+    arrivals = _time_changed(rate, duration_s=1800.0, ca2=1.0, rng=rng)
+    source = f"ShareGPT lengths, {low_rps:g} / {high_rps:g} req/s every {half_period_s:g} s"
+    return synthesize(arrival_s=arrivals, lengths=load_lengths(SHAREGPT), rng=rng, source=source)
+
+
 def workloads() -> dict[str, tuple[Trace, Scenario]]:
     return {
         "step 2x, 8B": (
@@ -92,6 +125,18 @@ def workloads() -> dict[str, tuple[Trace, Scenario]]:
         ),
         "ramp 5-40, 8B": (
             ramp(low_rps=5.0, high_rps=40.0, seed=105),
+            _scenario("llama-3-8b@h100-sxm", FAST),
+        ),
+        "fall 12-3, 70B": (
+            ramp(low_rps=12.0, high_rps=3.0, seed=106),
+            _scenario("llama-3.1-70b-tp4@h100-sxm", LARGE),
+        ),
+        "cycle 4-20, 8B": (
+            cycle(low_rps=4.0, high_rps=20.0, period_s=900.0, ca2=3.0, seed=107),
+            _scenario("llama-3-8b@a100-80g", RELAXED),
+        ),
+        "square 6/18, 8B": (
+            square(low_rps=6.0, high_rps=18.0, half_period_s=120.0, seed=108),
             _scenario("llama-3-8b@h100-sxm", FAST),
         ),
     }

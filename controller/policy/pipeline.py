@@ -48,6 +48,7 @@ from controller.policy.leadtime import (
     record_rate,
     response_s,
     risk_z,
+    stabilisation_window,
     window_spread,
 )
 from controller.policy.models import CapacityModels
@@ -277,6 +278,7 @@ def decide(
             now_s=now_s,
             moved=moved,
             steady=steady[pool],
+            window=stabilisation_window(upper[pool], config, z),
         )
         reasons.extend(entries)
         normalised[pool] = target, pstate

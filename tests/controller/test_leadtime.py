@@ -30,6 +30,7 @@ from controller.policy.leadtime import (
     response_s,
     risk_z,
     significant,
+    stabilisation_window,
     window_spread,
 )
 from controller.policy.state import LengthWindow, RateSample
@@ -505,3 +506,104 @@ def test_a_queue_the_serving_workers_clear_before_a_new_one_serves_asks_for_noth
     kwargs = {"serving_workers": 2, "packed_service_s": 0.1, "startup_s": 40.0}
     assert drain_plan(PerPool.both(10.0), queue=100.0, interval_s=30.0, **kwargs) is None
     assert drain_plan(PerPool.both(30.0), queue=0.0, interval_s=30.0, **kwargs) is None
+
+
+def _bound(
+    *, conditioned: bool, expected: float, expected_sd: float = 0.1, lead_s: float = 68.0
+) -> RateBound:
+    return RateBound(
+        upper_rps=10.0,
+        estimate_rps=10.0,
+        sigma_rps=1.0,
+        noise_rps=0.5,
+        drift_rps=0.8,
+        lead_s=lead_s,
+        history=60,
+        expected_drift_rps=expected,
+        expected_sd_rps=expected_sd,
+        conditioned=conditioned,
+    )
+
+
+@pytest.mark.parametrize(
+    ("bound", "config", "expected_s"),
+    [
+        # The history's line expects a fall beyond its own uncertainty: one lead time.
+        (_bound(conditioned=True, expected=-2.0), CONFIG, 68.0),
+        # A fall within z standard errors of the line's value is no evidence.
+        (_bound(conditioned=True, expected=-0.2, expected_sd=0.5), CONFIG, 300.0),
+        # A rise, or no significant line: the window is the memory of a load that left.
+        (_bound(conditioned=True, expected=2.0), CONFIG, 300.0),
+        (_bound(conditioned=False, expected=0.0), CONFIG, 300.0),
+        # Never longer than the configured window; nothing changes without lead-time planning.
+        (_bound(conditioned=True, expected=-2.0, lead_s=400.0), CONFIG, 300.0),
+        (
+            _bound(conditioned=True, expected=-2.0),
+            replace(CONFIG, lead_time=replace(CONFIG.lead_time, enabled=False)),
+            300.0,
+        ),
+    ],
+)
+def test_the_stabilisation_window_is_one_lead_time_only_where_the_history_expects_a_fall(
+    bound: RateBound, config: ControllerConfig, expected_s: float
+) -> None:
+    assert CONFIG.scale_down_stabilisation_s == 300.0
+    window = stabilisation_window(bound, config, risk_z(0.99))
+    assert window.seconds == expected_s
+    assert (window.why != "") == (expected_s != 300.0)
+
+
+def _window_and_fall(true: np.ndarray, seed: int, k: int = 3) -> tuple[list[bool], list[bool]]:
+    """``true`` counted in Poisson windows and smoothed by the controller's EMA; at each
+    tick after the first hour, the bound over a k-tick lead time from the last hour:
+    per tick whether the window is shortened, and whether the true rate over the lead
+    time fell below the estimate."""
+    rng = np.random.default_rng(seed)
+    measured = rng.poisson(true * CONFIG.window_s) / CONFIG.window_s
+    estimates = np.empty(len(true))
+    estimates[0] = measured[0]
+    for i in range(1, len(true)):
+        estimates[i] = (1 - CONFIG.ema_weight) * estimates[i - 1] + CONFIG.ema_weight * measured[i]
+    rates = _history(list(measured), list(estimates))
+    z = risk_z(0.99)
+    shortened, fell = [], []
+    for i in range(120, len(true) - k):
+        bound = rate_upper(
+            rates[:i],
+            estimate_rps=float(estimates[i]),
+            ca2=1.0,
+            lead_s=30.0 * k,
+            z=z,
+            config=CONFIG,
+            now_s=30.0 * i,
+            measured_rps=float(measured[i]),
+        )
+        window = stabilisation_window(bound, CONFIG, z)
+        shortened.append(window.seconds < CONFIG.scale_down_stabilisation_s)
+        fell.append(bool(true[i + 1 : i + 1 + k].mean() < estimates[i]))
+    return shortened, fell
+
+
+def test_on_a_daily_cycle_the_window_is_shortened_where_the_rate_then_falls() -> None:
+    # The cycle of the bound's test above (period 40 ticks, 2-10 req/s). The window
+    # is shortened on about half of the ticks (the falling half), and those are the
+    # ticks whose next lead time fell below the estimate: at least 4 in 5 of them,
+    # against at most 1 in 4 of the ticks where the window was kept (the rising half,
+    # where the EMA lags below the rate).
+    true = 6.0 - 4.0 * np.cos(2 * np.pi * np.arange(480) / 40.0)
+    shortened, fell = _window_and_fall(true, seed=21)
+    short = [f for s, f in zip(shortened, fell, strict=True) if s]
+    kept = [f for s, f in zip(shortened, fell, strict=True) if not s]
+    assert 0.35 < len(short) / len(fell) < 0.6
+    assert np.mean(short) >= 0.8
+    assert np.mean(kept) <= 0.25
+
+
+def test_at_a_constant_rate_the_window_is_mostly_kept() -> None:
+    # An EMA's gap predicts its own error even at a constant rate (a high window lifts
+    # the estimate by a share of the gap that later windows take back), so the line
+    # in the gaps is often significant here; only a fall beyond the line's own
+    # standard error shortens the window, which leaves it whole at more than 4 ticks
+    # in 5 (the line's sign alone shortened it at 134 of these 357 ticks).
+    shortened, _ = _window_and_fall(np.full(480, 6.0), seed=31)
+    assert np.mean(shortened) < 0.2

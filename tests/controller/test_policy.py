@@ -24,6 +24,7 @@ from controller.policy import (
 )
 from controller.policy import decide as decide_with
 from controller.policy.forecast import RecordedArrivals
+from controller.policy.leadtime import StabilisationWindow
 from controller.policy.normalisation import (
     cooldown,
     dead_band,
@@ -285,6 +286,23 @@ def test_scale_down_waits_for_the_stabilisation_window_then_takes_the_highest_lo
     # A recommendation at or above current resets the window.
     got, pstate, _ = stabilise(Pool.DECODE, 10, 10, pstate, CONFIG, 330.0)
     assert pstate.below_since_s is None
+
+
+def test_a_shorter_window_lets_the_pool_down_once_it_has_held_and_says_why() -> None:
+    window = StabilisationWindow(seconds=90.0, why=" (the 90-s lead time)")
+    pstate = PoolState()
+    got, pstate, entry = stabilise(Pool.DECODE, 6, 10, pstate, CONFIG, 0.0, window=window)
+    assert (got, entry.reason if entry else None) == (10, Reason.STABILISING)
+    assert entry is not None and "of 90 s (the 90-s lead time)" in entry.detail
+    got, pstate, _ = stabilise(Pool.DECODE, 7, 10, pstate, CONFIG, 60.0, window=window)
+    assert got == 10
+    # Held for the 90 s: down to the highest lower target seen, as with the full window.
+    got, pstate, entry = stabilise(Pool.DECODE, 5, 10, pstate, CONFIG, 90.0, window=window)
+    assert (got, entry.reason if entry else None) == (7, Reason.STABILISED)
+    # The configured window at the same instant still holds the pool.
+    held = PoolState(below_since_s=0.0, below_max=7)
+    got, _, entry = stabilise(Pool.DECODE, 5, 10, held, CONFIG, 90.0)
+    assert (got, entry.reason if entry else None) == (10, Reason.STABILISING)
 
 
 def test_a_surge_for_a_queue_is_released_at_once_when_the_queue_has_cleared() -> None:
