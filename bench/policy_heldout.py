@@ -18,7 +18,7 @@ uses, to see whether a change that helps there helps elsewhere:
   few start-ups.
 
 ShareGPT lengths throughout. Prints attainment, GPU-hours, scale events and lost
-requests per workload and policy (about 40 s on one core):
+requests per workload and policy (about 30 s on one core):
 
     .venv/bin/python bench/policy_heldout.py [--policies sara,static-peak]
 """

@@ -242,6 +242,7 @@ class RateBound:
     expected_drift_rps: float = 0.0
     expected_sd_rps: float = 0.0  # the standard error of that line's value
     conditioned: bool = False
+    measured_rps: float | None = None  # the window's rate the gap was taken from
 
 
 def rate_upper(
@@ -355,6 +356,7 @@ def rate_upper(
         expected_drift_rps=expected,
         expected_sd_rps=math.sqrt(fit_var),
         conditioned=line is not None,
+        measured_rps=measured_rps,
     )
 
 
@@ -425,18 +427,24 @@ def stabilisation_window(
     the lead-time bound only knows how the rate moved over past lead times, so it
     has no memory of a load it has not yet seen return. Where the history shows
     the rate's moves following its gap to the estimate (``bound.conditioned``: that
-    line is significant) and the line's value at today's gap puts the rate over the
-    lead time below the estimate by more than ``z`` of its standard errors, the
-    fall is itself the evidence, and the bound already holds what may arrive
-    within a lead time, its uncertainty included. A smaller pool is then safe once
+    line is significant), the window measured now sits below the estimate (the rate
+    is leaving the level the EMA follows), and the line's value at that gap puts the
+    rate over the lead time below the estimate by more than ``z`` of its standard
+    errors, the fall is itself the evidence, and the bound already holds what may
+    arrive within a lead time, its uncertainty included. A smaller pool is then safe once
     the lower recommendation has held for one lead time, the time a worker released
     now takes to come back (the safety check judges it at the bound each tick).
     The line's own significance is not enough: an EMA's gap predicts its error
     even at a constant rate (a high window lifts the estimate by a share of the
-    gap that the next windows take back), and that is no fall of the rate.
+    gap that the next windows take back), and that is no fall of the rate; nor is
+    the line's value alone, whose intercept carries the mean error of the history,
+    so that for a while after a long fall it expects one at a level rate too.
     """
     window_s = config.scale_down_stabilisation_s
-    falling = bound.conditioned and bound.expected_drift_rps + z * bound.expected_sd_rps < 0
+    below = bound.measured_rps is not None and bound.measured_rps < bound.estimate_rps
+    falling = (
+        bound.conditioned and below and bound.expected_drift_rps + z * bound.expected_sd_rps < 0
+    )
     if not (config.lead_time.enabled and falling and bound.lead_s < window_s):
         return StabilisationWindow(seconds=window_s)
     return StabilisationWindow(
