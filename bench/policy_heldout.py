@@ -15,10 +15,16 @@ uses, to see whether a change that helps there helps elsewhere:
   two 15-minute sinusoidal cycles between 4 and 20 req/s (llama-3-8b on A100-80GB,
   Gamma SCV 3); a square wave alternating 2 minutes at 6 req/s and 2 at 18 for 30
   minutes (Poisson, llama-3-8b on H100), whose load leaves and comes back within a
-  few start-ups.
+  few start-ups;
+- two real traces played backwards in time (each request keeps its lengths; the
+  arrivals are mirrored about the last one), so their falls become rises and their
+  clusters come in another order: the Azure conversation trace at 2.5x the rate
+  (`conv`'s profile and SLOs, llama-3.1-70b TP4 on A100-80GB, 2 s / 0.1 s), whose
+  mirrored ramp comes in two steps of about 30 %, and the Azure code trace at 1.5x
+  (llama-3.1-70b TP4 on H100, 2 s / 0.1 s).
 
 ShareGPT lengths throughout. Prints attainment, GPU-hours, scale events and lost
-requests per workload and policy (about 30 s on one core):
+requests per workload and policy (about 70 s on one core):
 
     .venv/bin/python bench/policy_heldout.py [--policies sara,static-peak]
 """
@@ -44,7 +50,7 @@ from queueing.solver import SloTargets
 from sim.backtest import run_backtest
 from sim.policies import Scenario, make_policy
 from sim.trace import Trace
-from sim.trace_io import load_lengths
+from sim.trace_io import load_lengths, load_trace
 from sim.workload import gamma_arrivals, synthesize
 
 SHAREGPT = TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
@@ -105,6 +111,20 @@ def square(*, low_rps: float, high_rps: float, half_period_s: float, seed: int) 
     return synthesize(arrival_s=arrivals, lengths=load_lengths(SHAREGPT), rng=rng, source=source)
 
 
+def mirrored(name: str, *, speedup: float) -> Trace:
+    """A bundled trace at ``speedup`` times its rate, played backwards: request i
+    arrives at (last arrival - its arrival), with its own lengths."""
+    trace = load_trace(TRACES / name, speedup=speedup)
+    end = float(trace.arrival_s.max())
+    order = np.argsort(end - trace.arrival_s, kind="stable")
+    return Trace(
+        arrival_s=(end - trace.arrival_s)[order],
+        prompt_tokens=trace.prompt_tokens[order],
+        output_tokens=trace.output_tokens[order],
+        source=f"{trace.source}, played backwards",
+    )
+
+
 def workloads() -> dict[str, tuple[Trace, Scenario]]:
     return {
         "step 2x, 8B": (
@@ -138,6 +158,14 @@ def workloads() -> dict[str, tuple[Trace, Scenario]]:
         "square 6/18, 8B": (
             square(low_rps=6.0, high_rps=18.0, half_period_s=120.0, seed=108),
             _scenario("llama-3-8b@h100-sxm", FAST),
+        ),
+        "conv backwards": (
+            mirrored("AzureLLMInferenceTrace_conv.csv", speedup=2.5),
+            _scenario("llama-3.1-70b-tp4@a100-80g", LARGE),
+        ),
+        "code backwards": (
+            mirrored("AzureLLMInferenceTrace_code.csv", speedup=1.5),
+            _scenario("llama-3.1-70b-tp4@h100-sxm", LARGE),
         ),
     }
 

@@ -240,9 +240,7 @@ class RateBound:
     # The error expected from the window's gap to the estimate (0 when the history
     # shows no significant relation), and whether that condition was used.
     expected_drift_rps: float = 0.0
-    expected_sd_rps: float = 0.0  # the standard error of that line's value
     conditioned: bool = False
-    measured_rps: float | None = None  # the window's rate the gap was taken from
 
 
 def rate_upper(
@@ -354,9 +352,7 @@ def rate_upper(
         lead_s=lead_s,
         history=len(errors),
         expected_drift_rps=expected,
-        expected_sd_rps=math.sqrt(fit_var),
         conditioned=line is not None,
-        measured_rps=measured_rps,
     )
 
 
@@ -400,57 +396,6 @@ def bound_entry(pool: Pool, bound: RateBound, z: float) -> ReasonEntry:
             else ""
         )
         + ")",
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class StabilisationWindow:
-    """How long a lower recommendation must hold before a pool follows it down, and
-    why when it is not the configured window (a clause for the reason's detail)."""
-
-    seconds: float
-    why: str = ""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.seconds) and self.seconds >= 0):
-            raise ValueError(f"seconds: must be a finite number >= 0, got {self.seconds!r}")
-
-
-def stabilisation_window(
-    bound: RateBound, config: ControllerConfig, z: float
-) -> StabilisationWindow:
-    """The scale-down stabilisation window of a pool planned for ``bound``.
-
-    The configured window (``scale_down_stabilisation_s``) is the memory of a load
-    that just left: a lower recommendation may be a quiet window of bursty traffic,
-    or the gap before bursts that come back (on/off loads, clustered arrivals), and
-    the lead-time bound only knows how the rate moved over past lead times, so it
-    has no memory of a load it has not yet seen return. Where the history shows
-    the rate's moves following its gap to the estimate (``bound.conditioned``: that
-    line is significant), the window measured now sits below the estimate (the rate
-    is leaving the level the EMA follows), and the line's value at that gap puts the
-    rate over the lead time below the estimate by more than ``z`` of its standard
-    errors, the fall is itself the evidence, and the bound already holds what may
-    arrive within a lead time, its uncertainty included. A smaller pool is then safe once
-    the lower recommendation has held for one lead time, the time a worker released
-    now takes to come back (the safety check judges it at the bound each tick).
-    The line's own significance is not enough: an EMA's gap predicts its error
-    even at a constant rate (a high window lifts the estimate by a share of the
-    gap that the next windows take back), and that is no fall of the rate; nor is
-    the line's value alone, whose intercept carries the mean error of the history,
-    so that for a while after a long fall it expects one at a level rate too.
-    """
-    window_s = config.scale_down_stabilisation_s
-    below = bound.measured_rps is not None and bound.measured_rps < bound.estimate_rps
-    falling = (
-        bound.conditioned and below and bound.expected_drift_rps + z * bound.expected_sd_rps < 0
-    )
-    if not (config.lead_time.enabled and falling and bound.lead_s < window_s):
-        return StabilisationWindow(seconds=window_s)
-    return StabilisationWindow(
-        seconds=bound.lead_s,
-        why=f" (the {bound.lead_s:.0f}-s lead time: the history expects the rate to fall "
-        f"{-bound.expected_drift_rps:.3g} req/s below the estimate)",
     )
 
 

@@ -8,11 +8,10 @@ safety     — a scale-down must also meet the SLOs at the *current* raw rate an
              smaller pool is safe when it holds what may come before a worker
              added back would serve);
 dead-band  — ignore relative changes below the band;
-stabilise  — a lower recommendation must hold for the stabilisation window (one
-             lead time where the history expects the rate to fall,
-             ``leadtime.stabilisation_window``), and the pool scales down to the
-             highest recommendation seen in it; a surge that drained a queue is
-             released at once when it is done;
+stabilise  — a lower recommendation must hold for the stabilisation window, and
+             the pool scales down to the highest recommendation seen in it; a
+             surge that drained a queue is released at once when it is done, and
+             held while the queue lasts;
 cooldown   — separate for up and down, from the pool's last change;
 rate limit — at most max_step_fraction of the current size per tick, at least one;
 
@@ -26,7 +25,6 @@ import math
 from dataclasses import replace
 
 from controller.config import ControllerConfig, PoolLimits
-from controller.policy.leadtime import StabilisationWindow
 from controller.policy.state import PoolState
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.pools import PerPool, Pool
@@ -123,21 +121,23 @@ def stabilise(
     now_s: float,
     *,
     steady: int | None = None,
-    window: StabilisationWindow | None = None,
+    queue_left: str | None = None,
 ) -> tuple[int, PoolState, ReasonEntry | None]:
     """Scale down only after lower recommendations held for the stabilisation window.
 
     ``steady`` is the recommendation without the workers that drain a prefill queue
-    (``leadtime.drain_plan``; None: the same as ``target``). ``window`` is how long
-    a lower recommendation must hold (``leadtime.stabilisation_window``; None: the
-    configured ``scale_down_stabilisation_s``). The window holds a pool against
-    noise in the rate; a surge for a queue is sized for a known amount of work, so
-    once the queue is gone the pool goes back at once to what it would have been
-    without it (``surge_base``: its size before the surge, or the steady plan since
-    if that is higher), and the window applies below that.
+    (``leadtime.drain_plan``; None: the same as ``target``). The window holds a pool
+    against noise in the rate; a surge for a queue is sized for a known amount of
+    work, so once the queue is gone the pool goes back at once to what it would
+    have been without it (``surge_base``: its size before the surge, or the steady
+    plan since if that is higher), and the window applies below that. Gone means
+    observed gone: while ``queue_left`` says why the prefill pool still falls behind
+    (a backlog, or arrivals beyond its serving workers: ``steady.overloaded``), the
+    surge is held, whatever a re-plan of the drain says. The drain is planned from a
+    model of what the serving workers clear, which a queue still growing
+    contradicts, and a worker released while it starts is a start-up lost: asked for
+    again a tick later, it serves a start-up later than the one that was cancelled.
     """
-    if window is None:
-        window = StabilisationWindow(seconds=config.scale_down_stabilisation_s)
     steady = target if steady is None else min(steady, target)
     surging = target > steady
     base = pstate.surge_base
@@ -148,6 +148,18 @@ def stabilise(
         if surging:
             base = max(current, steady) if base is None else max(base, steady)
         return target, replace(pstate, below_since_s=None, below_max=None, surge_base=base), None
+    if base is not None and queue_left is not None:
+        return (
+            current,
+            replace(pstate, surge_base=base, below_since_s=None, below_max=None),
+            ReasonEntry(
+                stage=Stage.STABILISE,
+                reason=Reason.SURGE_HELD,
+                pool=pool,
+                detail=f"the queue the surge to {current} is for is still there "
+                f"({queue_left}): held",
+            ),
+        )
     if base is not None:
         # Kept until the pool is back at its base: a rate-limited release goes on
         # next tick.
@@ -168,7 +180,7 @@ def stabilise(
     since = pstate.below_since_s if pstate.below_since_s is not None else now_s
     highest = max(target, pstate.below_max or 0)
     held_s = now_s - since
-    if held_s < window.seconds:
+    if held_s < config.scale_down_stabilisation_s:
         return (
             current,
             replace(pstate, below_since_s=since, below_max=highest),
@@ -176,7 +188,8 @@ def stabilise(
                 stage=Stage.STABILISE,
                 reason=Reason.STABILISING,
                 pool=pool,
-                detail=f"lower target held {held_s:.0f} s of {window.seconds:g} s{window.why}",
+                detail=f"lower target held {held_s:.0f} s of "
+                f"{config.scale_down_stabilisation_s:g} s",
             ),
         )
     return (
@@ -186,8 +199,7 @@ def stabilise(
             stage=Stage.STABILISE,
             reason=Reason.STABILISED,
             pool=pool,
-            detail=f"lower target held {held_s:.0f} s{window.why}: down to the highest "
-            f"seen, {highest}",
+            detail=f"lower target held {held_s:.0f} s: down to the highest seen, {highest}",
         ),
     )
 
@@ -259,15 +271,15 @@ def normalise(
     now_s: float,
     moved: bool = False,
     steady: int | None = None,
-    window: StabilisationWindow | None = None,
+    queue_left: str | None = None,
 ) -> tuple[int, PoolState, list[ReasonEntry]]:
     """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool.
 
     ``raw_rate_rps`` is the rate the safety check judges a scale-down at: the larger
     of the window's measured rate and the pool's lead-time upper quantile; ``ca2`` the
     SCV of the pool's own arrivals (``CapacityModel.arrival_scv``); ``steady`` the
-    recommendation without the workers that drain a queue and ``window`` how long a
-    lower one must hold (``stabilise``)."""
+    recommendation without the workers that drain a queue and ``queue_left`` why the
+    prefill queue is still there (``stabilise``)."""
     entries: list[ReasonEntry] = []
 
     def note(entry: ReasonEntry | None) -> None:
@@ -281,7 +293,7 @@ def normalise(
     target, entry = dead_band(pool, target, current, config)
     note(entry)
     target, pstate, entry = stabilise(
-        pool, target, current, pstate, config, now_s, steady=steady, window=window
+        pool, target, current, pstate, config, now_s, steady=steady, queue_left=queue_left
     )
     note(entry)
     if entry is None or entry.reason is not Reason.DRAINED:

@@ -48,7 +48,6 @@ from controller.policy.leadtime import (
     record_rate,
     response_s,
     risk_z,
-    stabilisation_window,
     window_spread,
 )
 from controller.policy.models import CapacityModels
@@ -278,7 +277,9 @@ def decide(
             now_s=now_s,
             moved=moved,
             steady=steady[pool],
-            window=stabilisation_window(upper[pool], config, z),
+            # Both pools' surges are for the prefill queue (the decode pool's for its
+            # drain's departures): held while it lasts.
+            queue_left=behind.prefill,
         )
         reasons.extend(entries)
         normalised[pool] = target, pstate

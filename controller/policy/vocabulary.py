@@ -52,6 +52,7 @@ class Reason(enum.Enum):
     STABILISING = "stabilising"
     STABILISED = "stabilised"
     DRAINED = "drained"
+    SURGE_HELD = "surge_held"
     COOLDOWN_UP = "cooldown_up"
     COOLDOWN_DOWN = "cooldown_down"
     RATE_LIMITED = "rate_limited"

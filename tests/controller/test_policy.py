@@ -24,7 +24,6 @@ from controller.policy import (
 )
 from controller.policy import decide as decide_with
 from controller.policy.forecast import RecordedArrivals
-from controller.policy.leadtime import StabilisationWindow
 from controller.policy.normalisation import (
     cooldown,
     dead_band,
@@ -288,23 +287,6 @@ def test_scale_down_waits_for_the_stabilisation_window_then_takes_the_highest_lo
     assert pstate.below_since_s is None
 
 
-def test_a_shorter_window_lets_the_pool_down_once_it_has_held_and_says_why() -> None:
-    window = StabilisationWindow(seconds=90.0, why=" (the 90-s lead time)")
-    pstate = PoolState()
-    got, pstate, entry = stabilise(Pool.DECODE, 6, 10, pstate, CONFIG, 0.0, window=window)
-    assert (got, entry.reason if entry else None) == (10, Reason.STABILISING)
-    assert entry is not None and "of 90 s (the 90-s lead time)" in entry.detail
-    got, pstate, _ = stabilise(Pool.DECODE, 7, 10, pstate, CONFIG, 60.0, window=window)
-    assert got == 10
-    # Held for the 90 s: down to the highest lower target seen, as with the full window.
-    got, pstate, entry = stabilise(Pool.DECODE, 5, 10, pstate, CONFIG, 90.0, window=window)
-    assert (got, entry.reason if entry else None) == (7, Reason.STABILISED)
-    # The configured window at the same instant still holds the pool.
-    held = PoolState(below_since_s=0.0, below_max=7)
-    got, _, entry = stabilise(Pool.DECODE, 5, 10, held, CONFIG, 90.0)
-    assert (got, entry.reason if entry else None) == (10, Reason.STABILISING)
-
-
 def test_a_surge_for_a_queue_is_released_at_once_when_the_queue_has_cleared() -> None:
     pstate = PoolState()
     # 4 workers, a steady plan of 5 and 9 to clear a queue: the surge's base is 5.
@@ -320,6 +302,26 @@ def test_a_surge_for_a_queue_is_released_at_once_when_the_queue_has_cleared() ->
     got, pstate, entry = stabilise(Pool.PREFILL, 4, 6, pstate, CONFIG, 90.0, steady=4)
     assert (got, entry.reason if entry else None) == (6, Reason.STABILISING)
     assert pstate.surge_base is None
+
+
+def test_a_surge_is_held_while_the_queue_it_is_for_is_still_there() -> None:
+    # 4 workers, a steady plan of 5 and 9 to clear a queue.
+    pstate = PoolState()
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, CONFIG, 0.0, steady=5)
+    assert (got, pstate.surge_base) == (9, 5)
+    # A re-plan of the drain asks for fewer, or none, while the backlog is still
+    # observed: the workers still starting are kept.
+    behind = "backlog of 169 prompts takes 8.9 s to clear (> the predicted P99 1.8 s)"
+    for smaller in (7, 5):
+        got, pstate, entry = stabilise(
+            Pool.PREFILL, smaller, 9, pstate, CONFIG, 30.0, steady=5, queue_left=behind
+        )
+        assert (got, entry.reason if entry else None) == (9, Reason.SURGE_HELD)
+        assert entry is not None and behind in entry.detail
+        assert pstate.surge_base == 5
+    # Once the queue is observed gone, back to the base at once.
+    got, pstate, entry = stabilise(Pool.PREFILL, 5, 9, pstate, CONFIG, 60.0, steady=5)
+    assert (got, entry.reason if entry else None) == (5, Reason.DRAINED)
 
 
 def test_a_surge_releases_only_what_it_added_to_a_pool_the_window_was_holding() -> None:
@@ -857,6 +859,16 @@ def _scenarios() -> dict[Reason, Decision]:
     )
     surged = replace(steady.state, pools=PerPool.both(PoolState(surge_base=2, last_change_s=0.0)))
     out[Reason.DRAINED] = decide(observation(30.0, 8.0, 6, 6), surged, CONFIG, now_s=30.0)
+    # The same surge while the queue it was for is still there: held.
+    # (A backlog: the queue takes the six serving workers longer to clear than the
+    # P99 predicted last tick, which they clear before a new worker would serve.)
+    backlogged = replace(
+        surged,
+        pools=PerPool.both(PoolState(surge_base=2, last_change_s=0.0, predicted_p99_s=0.1)),
+    )
+    out[Reason.SURGE_HELD] = decide(
+        observation(30.0, 8.0, 6, 6, queue=60.0), backlogged, CONFIG, now_s=30.0
+    )
     # The planning rate has fallen (a plan for fewer workers) but the pools hold what
     # the current raw rate needs: removing workers is unsafe at the current load.
     need = recommended(decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0)) or (1, 1)
