@@ -24,7 +24,7 @@ uses, to see whether a change that helps there helps elsewhere:
   (llama-3.1-70b TP4 on H100, 2 s / 0.1 s).
 
 ShareGPT lengths throughout. Prints attainment, GPU-hours, scale events and lost
-requests per workload and policy (about 70 s on one core):
+requests per workload and policy (about 35 s on one core; 94 s with threshold and the oracle):
 
     .venv/bin/python bench/policy_heldout.py [--policies sara,static-peak]
 """
