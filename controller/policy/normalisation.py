@@ -148,33 +148,23 @@ def stabilise(
         if surging:
             base = max(current, steady) if base is None else max(base, steady)
         return target, replace(pstate, below_since_s=None, below_max=None, surge_base=base), None
-    if base is not None and queue_left is not None:
-        return (
-            current,
-            replace(pstate, surge_base=base, below_since_s=None, below_max=None),
-            ReasonEntry(
-                stage=Stage.STABILISE,
-                reason=Reason.SURGE_HELD,
-                pool=pool,
-                detail=f"the queue the surge to {current} is for is still there "
-                f"({queue_left}): held",
-            ),
-        )
     if base is not None:
-        # Kept until the pool is back at its base: a rate-limited release goes on
-        # next tick.
-        released = max(target, base)
-        return (
-            released,
-            replace(pstate, surge_base=base, below_since_s=None, below_max=None),
-            ReasonEntry(
-                stage=Stage.STABILISE,
-                reason=Reason.DRAINED,
-                pool=pool,
-                detail=f"the queue the surge to {current} was for is "
+        if queue_left is not None:
+            value, reason = current, Reason.SURGE_HELD
+            detail = f"the queue the surge to {current} is for is still there ({queue_left}): held"
+        else:
+            # Kept until the pool is back at its base: a rate-limited release goes on
+            # next tick.
+            value, reason = max(target, base), Reason.DRAINED
+            detail = (
+                f"the queue the surge to {current} was for is "
                 + ("smaller" if surging else "cleared")
-                + f": back to {released} at once",
-            ),
+                + f": back to {value} at once"
+            )
+        return (
+            value,
+            replace(pstate, surge_base=base, below_since_s=None, below_max=None),
+            ReasonEntry(stage=Stage.STABILISE, reason=reason, pool=pool, detail=detail),
         )
     pstate = replace(pstate, surge_base=None)
     since = pstate.below_since_s if pstate.below_since_s is not None else now_s
