@@ -23,7 +23,8 @@ point estimate plus a fixed margin:
   (``window_spread``; the burst and rate-shift tests of ``smoothing``);
 - ``pooled_lengths``: the length mix pooled over a longer horizon than one window, so
   a recommendation moves when the mix does and not with the sampling noise of a few
-  dozen heavy-tailed requests; ``newest_scv``: the ca², which the sources read over
+  dozen heavy-tailed requests, and ``since_mix_shift`` starts it again where the
+  prompts significantly moved; ``newest_scv``: the ca², which the sources read over
   that horizon themselves.
 
 The quantile's level is the SLO's percentile (``risk_z``): the pools are sized so
@@ -496,6 +497,50 @@ def pool_window(
         output_tokens=lengths.output_tokens[index].copy(),
     )
     return (*kept, added)
+
+
+def since_mix_shift(
+    windows: tuple[LengthWindow, ...], *, window_s: float, z: float
+) -> tuple[tuple[LengthWindow, ...], str | None]:
+    """The pooled windows from the newest on, where the prompts moved: the newest
+    window's mean prompt length is more than ``z`` standard errors (Welch's: each
+    sample's own variance over its size) from that of the windows before it that do
+    not overlap it; with the reason why, or the windows unchanged and None.
+
+    Pooling over ``pool_s`` keeps a recommendation from moving with the sampling
+    noise of a few dozen heavy-tailed requests, and for as long makes it lag a mix
+    that did move: the work a prompt brings is its length, so prompts 40 % longer at
+    the same rate are 40 % more prefill work, which a mix pooled over five minutes
+    still reads as the old one while the queue builds. The test weighs the window's
+    evidence by its own noise, as the rate tests do the rate's: one long prompt
+    among n raises the window's mean and its standard error alike, and is no shift.
+    Each sample needs ``MIN_POOLED_REQUESTS`` pairs to be judged.
+
+    Only the prompts are tested. A window's pairs are those of the requests that
+    completed in it, and a request completes about its output length in decode
+    steps after it arrived: when the rate moves, the short outputs of the newest
+    arrivals finish first and the longer ones a minute later, so the window's mean
+    output swings with the rate's moves (by 4-5 standard errors on a 3x step) where
+    the mix did not change. A prompt's wait is its prefill's, the same for short
+    and long outputs."""
+    if not windows:
+        return windows, None
+    newest = windows[-1]
+    older = [w.prompt_tokens for w in windows[:-1] if w.time_s <= newest.time_s - window_s]
+    new = newest.prompt_tokens
+    old = np.concatenate(older) if older else new[:0]
+    if len(new) < MIN_POOLED_REQUESTS or len(old) < MIN_POOLED_REQUESTS:
+        return windows, None
+    se = math.sqrt(float(np.var(new, ddof=1)) / len(new) + float(np.var(old, ddof=1)) / len(old))
+    score = (float(np.mean(new)) - float(np.mean(old))) / se if se > 0 else 0.0
+    if abs(score) <= z:
+        return windows, None
+    return (newest,), (
+        f"mean prompt {float(np.mean(new)):.0f} tokens in the window to {newest.time_s:.0f} s "
+        f"is {score:+.1f} standard errors from the {float(np.mean(old)):.0f} of the "
+        f"{len(older)} windows before it: the prompts moved, the pooled mix starts again "
+        "from this window"
+    )
 
 
 def pooled_requests(windows: tuple[LengthWindow, ...], *, window_s: float) -> float:

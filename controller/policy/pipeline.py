@@ -48,6 +48,7 @@ from controller.policy.leadtime import (
     record_rate,
     response_s,
     risk_z,
+    since_mix_shift,
     window_spread,
 )
 from controller.policy.models import CapacityModels
@@ -112,9 +113,19 @@ def decide(
 
     # The length mix pooled over lead.pool_s of windows, this one included (the ca², read
     # over that span by the source, is the newest).
+    # The shift, burst and overload tests share one threshold (Bonferroni over the
+    # history's ticks, ``leadtime.detection_z``), and so does the prompts' test.
+    detect_z = detection_z(DEFAULT_QUANTILE, max(1.0, lead.history_s / config.interval_s))
     windows = pool_window(
         state.length_windows, observation.lengths, now_s=now_s, pool_s=lead.pool_s
     )
+    windows, shifted = since_mix_shift(windows, window_s=config.window_s, z=detect_z)
+    if shifted is not None:
+        reasons.append(
+            ReasonEntry(
+                stage=Stage.SMOOTH, reason=Reason.LENGTHS_SHIFTED, pool=None, detail=shifted
+            )
+        )
     seen_lengths = pooled_lengths(windows, now_s=now_s, window_s=config.window_s)
     if seen_lengths is None and state.lengths is None:
         # A first mix of a few requests would size a P99 on a handful of prompts (the
@@ -135,9 +146,6 @@ def decide(
     # Observed requests fit the context; pairs rebuilt from histograms may not.
     fitting = observed_within_context(lengths, profile.max_context_tokens)
     model = models.get(fitting, profile, config)
-    # The shift, burst and overload tests share one threshold (Bonferroni over the
-    # history's ticks, ``leadtime.detection_z``).
-    detect_z = detection_z(DEFAULT_QUANTILE, max(1.0, lead.history_s / config.interval_s))
     behind = PerPool.build(
         lambda pool: overloaded(
             pool,

@@ -40,6 +40,7 @@ class Reason(enum.Enum):
     OVERLOAD_DETECTED = "overload_detected"
     QUEUE_DRAIN = "queue_drain"
     LENGTHS_UPDATED = "lengths_updated"
+    LENGTHS_SHIFTED = "lengths_shifted"
     CALIBRATED = "calibrated"
     FORECAST_RAISED = "forecast_raised"
     CALIBRATION_SKIPPED = "calibration_skipped"

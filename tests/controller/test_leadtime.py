@@ -30,6 +30,7 @@ from controller.policy.leadtime import (
     response_s,
     risk_z,
     significant,
+    since_mix_shift,
     window_spread,
 )
 from controller.policy.state import LengthWindow, RateSample
@@ -236,6 +237,63 @@ def test_the_mix_is_pooled_over_the_last_windows() -> None:
     assert pooled is not None
     assert len(pooled.prompt_tokens) == 2 * MAX_WINDOW_SAMPLES
     assert float(pooled.prompt_tokens.mean()) == pytest.approx(250.0)
+
+
+def _prompts(rng: np.random.Generator, t: float, n: int, scale: float = 1.0) -> LengthWindow:
+    prompts = (scale * 800.0 * rng.lognormal(0.0, 0.5, n)).astype(np.int64) + 1
+    return LengthWindow(time_s=t, prompt_tokens=prompts, output_tokens=np.full(n, 10))
+
+
+def test_prompts_a_half_longer_restart_the_pooled_mix_from_the_window_that_shows_them() -> None:
+    rng = np.random.default_rng(3)
+    before = tuple(_prompts(rng, 30.0 * i, 200) for i in range(9))
+    longer = _prompts(rng, 270.0, 200, scale=1.5)
+    kept, why = since_mix_shift((*before, longer), window_s=30.0, z=4.0)
+    assert kept == (longer,)
+    assert why is not None and "mean prompt" in why
+    # The same mix again is pooled on.
+    same = _prompts(rng, 270.0, 200)
+    kept, why = since_mix_shift((*before, same), window_s=30.0, z=4.0)
+    assert (len(kept), why) == (10, None)
+
+
+def test_the_prompt_test_misses_a_steady_mix_as_often_as_its_normal_level_says() -> None:
+    # Welch's statistic is close to normal for 256 prompts a window: at z = 2 a steady
+    # mix reads as moved in 4.55 % of ticks (two-sided), within 3 binomial sd of 4,000.
+    rng = np.random.default_rng(11)
+    trials = 4000
+    moved = sum(
+        since_mix_shift(
+            tuple(_prompts(rng, 30.0 * i, 256) for i in range(5)), window_s=30.0, z=2.0
+        )[1]
+        is not None
+        for _ in range(trials)
+    )
+    nominal = 2.0 * (1.0 - 0.9772498680518208)
+    sd = math.sqrt(nominal * (1.0 - nominal) / trials)
+    assert abs(moved / trials - nominal) < 3.0 * sd
+
+
+def test_one_long_prompt_among_many_is_no_shift_of_the_mix() -> None:
+    # A 120k-token prompt among 199 of about 800 raises the window's mean by 600 tokens,
+    # and its standard error by as much: about one standard error, not a shift.
+    rng = np.random.default_rng(5)
+    before = tuple(_prompts(rng, 30.0 * i, 200) for i in range(9))
+    window = _prompts(rng, 270.0, 200)
+    window.prompt_tokens[0] = 120_000
+    kept, why = since_mix_shift((*before, window), window_s=30.0, z=4.0)
+    assert (len(kept), why) == (10, None)
+
+
+def test_the_prompt_test_needs_enough_prompts_and_windows_that_do_not_overlap() -> None:
+    rng = np.random.default_rng(7)
+    before = tuple(_prompts(rng, 30.0 * i, 200) for i in range(9))
+    few = _prompts(rng, 270.0, MIN_POOLED_REQUESTS - 1, scale=3.0)
+    assert since_mix_shift((*before, few), window_s=30.0, z=4.0) == ((*before, few), None)
+    # Windows within one window's span of the newest share its requests: not compared.
+    overlapping = tuple(_prompts(rng, 250.0 + 4.0 * i, 200) for i in range(5))
+    longer = _prompts(rng, 270.0, 200, scale=3.0)
+    assert since_mix_shift((*overlapping, longer), window_s=30.0, z=4.0)[1] is None
 
 
 def test_the_ca2_is_the_newest_the_source_read_over_the_pool_s_span() -> None:

@@ -874,6 +874,13 @@ def _scenarios() -> dict[Reason, Decision]:
     need = recommended(decide(observation(0.0, 40.0, 1, 1), base, CONFIG, now_s=0.0)) or (1, 1)
     out[Reason.SCALE_DOWN_UNSAFE] = _unsafe_scale_down(need)
     out[Reason.RATE_SHIFTED] = decide(observation(30.0, 80.0, 2, 2), settled, CONFIG, now_s=30.0)
+    # Two windows of the conversation mix, then one of prompts twice as long: the
+    # pooled mix starts again from it.
+    pooled = decide(observation(30.0, 40.0, 2, 2), settled, CONFIG, now_s=30.0)
+    longer = replace(LENGTHS, prompt_tokens=2 * LENGTHS.prompt_tokens)
+    out[Reason.LENGTHS_SHIFTED] = decide(
+        observation(60.0, 40.0, 2, 2, lengths=longer), pooled.state, CONFIG, now_s=60.0
+    )
     out[Reason.LEAD_TIME_PLANNED] = out[Reason.RATE_SMOOTHED]
     # A scale-up to 3 decided at 0 s, all 3 ready at the 60-s tick.
     pending = ControllerState(
