@@ -122,6 +122,7 @@ def stabilise(
     *,
     steady: int | None = None,
     queue_left: str | None = None,
+    burst: bool = False,
 ) -> tuple[int, PoolState, ReasonEntry | None]:
     """Scale down only after lower recommendations held for the stabilisation window.
 
@@ -137,6 +138,16 @@ def stabilise(
     model of what the serving workers clear, which a queue still growing
     contradicts, and a worker released while it starts is a start-up lost: asked for
     again a tick later, it serves a start-up later than the one that was cancelled.
+
+    ``burst``: this tick planned for the short burst window's rate
+    (``smoothing.smooth``). A scale-up for it is a surge too, and its steady plan,
+    sized for those few seconds' rate, does not become the base: the window holds
+    what the measurement window saw, and a burst is acted on at once but held only
+    once a window of the full length shows the rate (a later tick's steady plan,
+    which the base then follows). Held as a measured rate, one 10-s cluster of a
+    bursty diurnal kept two more prefill and two more decode workers for the 300-s
+    window after its queue had cleared and the next window had measured the rate
+    back where it was.
     """
     steady = target if steady is None else min(steady, target)
     surging = target > steady
@@ -144,9 +155,11 @@ def stabilise(
     if base is not None and (current <= base or (target >= current and not surging)):
         # Released (or needed again at the size it reached): no surge any more.
         base = None
+    if base is None and (surging or burst) and target >= current:
+        base = current
+    if base is not None and not burst:
+        base = max(base, steady)
     if target >= current:
-        if surging:
-            base = max(current, steady) if base is None else max(base, steady)
         return target, replace(pstate, below_since_s=None, below_max=None, surge_base=base), None
     if base is not None:
         if queue_left is not None:
@@ -157,8 +170,8 @@ def stabilise(
             # next tick.
             value, reason = max(target, base), Reason.DRAINED
             detail = (
-                f"the queue the surge to {current} was for is "
-                + ("smaller" if surging else "cleared")
+                f"the queue or burst the surge to {current} was for is "
+                + ("smaller" if surging else "over")
                 + f": back to {value} at once"
             )
         return (
@@ -262,6 +275,7 @@ def normalise(
     moved: bool = False,
     steady: int | None = None,
     queue_left: str | None = None,
+    burst: bool = False,
 ) -> tuple[int, PoolState, list[ReasonEntry]]:
     """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool.
 
@@ -283,7 +297,15 @@ def normalise(
     target, entry = dead_band(pool, target, current, config)
     note(entry)
     target, pstate, entry = stabilise(
-        pool, target, current, pstate, config, now_s, steady=steady, queue_left=queue_left
+        pool,
+        target,
+        current,
+        pstate,
+        config,
+        now_s,
+        steady=steady,
+        queue_left=queue_left,
+        burst=burst,
     )
     note(entry)
     if entry is None or entry.reason is not Reason.DRAINED:

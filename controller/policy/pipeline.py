@@ -230,6 +230,7 @@ def decide(
         r.reason in (Reason.RATE_SHIFTED, Reason.BURST_DETECTED, Reason.OVERLOAD_DETECTED)
         for r in reasons
     )
+    burst = any(r.reason is Reason.BURST_DETECTED for r in reasons)
     calibration = calibrate(observation, state, config, behind, now_s)
     reasons.extend(c.entry for _, c in calibration.items() if c.entry is not None)
     factors = calibration.map(lambda c: c.factor)
@@ -288,6 +289,7 @@ def decide(
             # Both pools' surges are for the prefill queue (the decode pool's for its
             # drain's departures): held while it lasts.
             queue_left=behind.prefill,
+            burst=burst,
         )
         reasons.extend(entries)
         normalised[pool] = target, pstate

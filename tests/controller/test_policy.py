@@ -324,6 +324,40 @@ def test_a_surge_is_held_while_the_queue_it_is_for_is_still_there() -> None:
     assert (got, entry.reason if entry else None) == (5, Reason.DRAINED)
 
 
+def test_a_burst_is_a_surge_released_once_a_full_window_no_longer_shows_it() -> None:
+    # 4 workers; the burst window's rate asks for 7 (no queue: the steady plan is 7).
+    got, pstate, _ = stabilise(Pool.PREFILL, 7, 4, PoolState(), CONFIG, 0.0, steady=7, burst=True)
+    assert (got, pstate.surge_base) == (7, 4)
+    # The next window measures the rate where it was: back to 4 at once, no window.
+    got, pstate, entry = stabilise(Pool.PREFILL, 4, 7, pstate, CONFIG, 30.0, steady=4)
+    assert (got, entry.reason if entry else None) == (4, Reason.DRAINED)
+
+
+def test_a_burst_the_next_window_confirms_is_held_as_a_measured_rate() -> None:
+    got, pstate, _ = stabilise(Pool.PREFILL, 7, 4, PoolState(), CONFIG, 0.0, steady=7, burst=True)
+    # The full window shows the rate too: no surge any more, a plan like any other...
+    got, pstate, _ = stabilise(Pool.PREFILL, 7, 7, pstate, CONFIG, 30.0, steady=7)
+    assert (got, pstate.surge_base) == (7, None)
+    # ... which the stabilisation window holds.
+    got, pstate, entry = stabilise(Pool.PREFILL, 4, 7, pstate, CONFIG, 60.0, steady=4)
+    assert (got, entry.reason if entry else None) == (7, Reason.STABILISING)
+
+
+def test_a_held_surge_follows_the_steady_plan_of_the_windows_not_of_the_burst() -> None:
+    # 5 workers; a burst with a queue: 12 to drain it, 8 steady at the burst's rate.
+    behind = "backlog of 300 prompts"
+    got, pstate, _ = stabilise(Pool.PREFILL, 12, 5, PoolState(), CONFIG, 0.0, steady=8, burst=True)
+    assert (got, pstate.surge_base) == (12, 5)
+    # Held for its queue; the full window measures a rate that needs 6.
+    got, pstate, _ = stabilise(
+        Pool.PREFILL, 10, 12, pstate, CONFIG, 30.0, steady=6, queue_left=behind
+    )
+    assert (got, pstate.surge_base) == (12, 6)
+    # The queue gone: back to what the windows measured, not the burst's 8.
+    got, pstate, entry = stabilise(Pool.PREFILL, 5, 12, pstate, CONFIG, 60.0, steady=5)
+    assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
+
+
 def test_a_surge_releases_only_what_it_added_to_a_pool_the_window_was_holding() -> None:
     # 6 workers held by the window against a steady plan of 3; a queue asks for 10.
     held = PoolState(below_since_s=0.0, below_max=3)
