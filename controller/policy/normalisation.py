@@ -10,8 +10,8 @@ safety     — a scale-down must also meet the SLOs at the *current* raw rate an
 dead-band  — ignore relative changes below the band;
 stabilise  — a lower recommendation must hold for the stabilisation window, and
              the pool scales down to the highest recommendation seen in it; a
-             surge that drained a queue is released at once when it is done, and
-             held while the queue lasts;
+             surge for a queue or a burst is released at once when it is over,
+             and held while the queue lasts;
 cooldown   — separate for up and down, from the pool's last change;
 rate limit — at most max_step_fraction of the current size per tick, at least one;
 
@@ -144,7 +144,7 @@ def stabilise(
     sized for those few seconds' rate, does not become the base: the window holds
     what the measurement window saw, and a burst is acted on at once but held only
     once a window of the full length shows the rate (a later tick's steady plan,
-    which the base then follows). Held as a measured rate, one 10-s cluster of a
+    which the base then follows). Held as a measured rate, one 5-s cluster of a
     bursty diurnal kept two more prefill and two more decode workers for the 300-s
     window after its queue had cleared and the next window had measured the rate
     back where it was.
