@@ -16,6 +16,11 @@ uses, to see whether a change that helps there helps elsewhere:
   Gamma SCV 3); a square wave alternating 2 minutes at 6 req/s and 2 at 18 for 30
   minutes (Poisson, llama-3-8b on H100), whose load leaves and comes back within a
   few start-ups;
+- two switches of the length mix at a constant 3 req/s (Gamma SCV 2, llama-3.1-70b
+  TP4 on H100, SLOs 10 s / 0.1 s), drawn to judge the pooled mix's prompt test:
+  ShareGPT's lengths (mean prompt 2,340 tokens) for 15 minutes, then the
+  long-context ones of the bench's `long` (k arXiv documents, mean 6,420), and the
+  same the other way round;
 - two real traces played backwards in time (each request keeps its lengths; the
   arrivals are mirrored about the last one), so their falls become rises and their
   clusters come in another order: the Azure conversation trace at 2.5x the rate
@@ -44,8 +49,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_quality import TRACES, _scenario, _time_changed
+from policy_quality import TRACES, _long_context_lengths, _scenario, _time_changed
 
+from queueing.lengths import LengthSamples
 from queueing.solver import SloTargets
 from sim.backtest import run_backtest
 from sim.policies import Scenario, make_policy
@@ -57,6 +63,8 @@ SHAREGPT = TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 FAST = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.05)
 RELAXED = SloTargets(ttft_p99_s=1.5, tpot_p99_s=0.08)
 LARGE = SloTargets(ttft_p99_s=2.0, tpot_p99_s=0.1)
+# Prompts to ~128k tokens take seconds to prefill on their own.
+LONG_CONTEXT = SloTargets(ttft_p99_s=10.0, tpot_p99_s=0.1)
 
 
 def step(*, ratio: float, base_rps: float, ca2: float, seed: int) -> Trace:
@@ -111,6 +119,29 @@ def square(*, low_rps: float, high_rps: float, half_period_s: float, seed: int) 
     return synthesize(arrival_s=arrivals, lengths=load_lengths(SHAREGPT), rng=rng, source=source)
 
 
+def switched(
+    first: LengthSamples, second: LengthSamples, *, rate_rps: float, ca2: float, seed: int
+) -> Trace:
+    """Gamma arrivals at ``rate_rps`` for 30 minutes, each request's lengths drawn from
+    ``first`` for the first 15 and from ``second`` after: the rate never moves, the
+    work each request brings does."""
+    rng = np.random.default_rng(seed)
+    arrivals = gamma_arrivals(rate_rps=rate_rps, ca2=ca2, duration_s=1800.0, rng=rng)
+    after = arrivals >= 900.0
+    prompt = np.empty(len(arrivals), dtype=np.int64)
+    output = np.empty(len(arrivals), dtype=np.int64)
+    for mix, chosen in ((first, ~after), (second, after)):
+        rows = rng.integers(0, len(mix.prompt_tokens), size=int(chosen.sum()))
+        prompt[chosen] = mix.prompt_tokens[rows]
+        output[chosen] = mix.output_tokens[rows]
+    return Trace(
+        arrival_s=arrivals,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        source=f"{first.source} then {second.source} at 900 s, {rate_rps:g} req/s, SCV {ca2:g}",
+    )
+
+
 def mirrored(name: str, *, speedup: float) -> Trace:
     """A bundled trace at ``speedup`` times its rate, played backwards: request i
     arrives at (last arrival - its arrival), with its own lengths."""
@@ -158,6 +189,26 @@ def workloads() -> dict[str, tuple[Trace, Scenario]]:
         "square 6/18, 8B": (
             square(low_rps=6.0, high_rps=18.0, half_period_s=120.0, seed=108),
             _scenario("llama-3-8b@h100-sxm", FAST),
+        ),
+        "prompts 2.7x": (
+            switched(
+                load_lengths(SHAREGPT),
+                _long_context_lengths(np.random.default_rng(109), 20_000),
+                rate_rps=3.0,
+                ca2=2.0,
+                seed=110,
+            ),
+            _scenario("llama-3.1-70b-tp4@h100-sxm", LONG_CONTEXT),
+        ),
+        "prompts / 2.7": (
+            switched(
+                _long_context_lengths(np.random.default_rng(111), 20_000),
+                load_lengths(SHAREGPT),
+                rate_rps=3.0,
+                ca2=2.0,
+                seed=112,
+            ),
+            _scenario("llama-3.1-70b-tp4@h100-sxm", LONG_CONTEXT),
         ),
         "conv backwards": (
             mirrored("AzureLLMInferenceTrace_conv.csv", speedup=2.5),

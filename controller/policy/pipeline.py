@@ -55,6 +55,7 @@ from controller.policy.models import CapacityModels
 from controller.policy.normalisation import clamp, normalise
 from controller.policy.recommend import recommend
 from controller.policy.smoothing import (
+    MIX_STATISTICS,
     choose_lengths,
     plan_for_overload,
     smooth,
@@ -139,7 +140,11 @@ def decide(
             "current replicas",
         )
         return _hold(observation, replace(state, length_windows=windows), current, few, now_s)
-    lengths, lengths_entry = choose_lengths(seen_lengths, state.lengths)
+    # The kept mix is judged on MIX_STATISTICS figures a tick: Bonferroni over them too.
+    mix_z = detection_z(
+        DEFAULT_QUANTILE, MIX_STATISTICS * max(1.0, lead.history_s / config.interval_s)
+    )
+    lengths, lengths_entry = choose_lengths(seen_lengths, state.lengths, z=mix_z)
     this_tick = RateSample(time_s=now_s, rate_rps=raw_rate, estimate_rps=raw_rate, scv=seen_scv)
     pooled = newest_scv((*state.rates, this_tick), now_s=now_s, pool_s=lead.pool_s)
     ca2_value = 1.0 if pooled is None else pooled

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from controller.config import ControllerConfig
@@ -185,15 +187,15 @@ def with_forecast(
 
 
 def choose_lengths(
-    seen: LengthSamples | None, kept: LengthSamples | None
+    seen: LengthSamples | None, kept: LengthSamples | None, *, z: float
 ) -> tuple[LengthSamples, ReasonEntry | None]:
     """Switch to the ``seen`` mix (the pooled one) only when it moved from the ``kept``
-    one (keeps the model cache warm, and the recommendation still when only the
-    sampling noise moved)."""
+    one beyond the pooled sample's own noise at ``z`` (``_moved``): the model cache
+    stays warm, and the recommendation still, while only the sampling moves."""
     if seen is None:
         assert kept is not None  # validate() guarantees one of them
         return kept, None
-    if kept is not None and not _moved(kept, seen):
+    if kept is not None and not _moved(kept, seen, z=z):
         return kept, None
     return seen, ReasonEntry(
         stage=Stage.SMOOTH,
@@ -204,19 +206,36 @@ def choose_lengths(
     )
 
 
-def _summary(values: np.ndarray) -> list[float]:
-    """Mean and (nearest-rank) P50/P90/P99 from one sort: cheaper than np.quantile."""
-    ordered = np.sort(values)
-    n = len(ordered)
-    return [float(ordered.mean())] + [
-        float(ordered[min(n - 1, int(q * n))]) for q in (0.5, 0.9, 0.99)
-    ]
+# The figures ``_moved`` compares: the mean and three quantiles of each length.
+MIX_STATISTICS = 8
 
 
-def _moved(old: LengthSamples, new: LengthSamples, tolerance: float = 0.05) -> bool:
-    """Whether the mean or a tail quantile of either length moved by more than 5 %."""
+def _moved(old: LengthSamples, new: LengthSamples, *, z: float) -> bool:
+    """Whether the ``new`` sample's mean or one of its P50/P90/P99 lies beyond its own
+    sampling noise from the ``old`` one's, for either length.
+
+    The mean by Welch's statistic (the difference over the root of each sample's
+    variance over its size); each quantile by the distribution-free interval of the
+    new sample's order statistics: the q-quantile of n draws lies between the ranks
+    n·q -/+ z·sqrt(n·q·(1 - q)) (the binomial count of draws below it), and the old
+    value outside them is a move. A fixed tolerance (5 % of each figure, before)
+    read a heavy-tailed mix's noise as moves: the P99 of a few hundred prompts of up
+    to 128k tokens swings by more than that from one pool to the next at a constant
+    mix, and each swing moved the recommendation by a worker."""
     for a, b in ((old.prompt_tokens, new.prompt_tokens), (old.output_tokens, new.output_tokens)):
-        for x, y in zip(_summary(a), _summary(b), strict=True):
-            if abs(y - x) > tolerance * max(x, 1.0):
+        x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if len(x) < 2 or len(y) < 2:
+            return True
+        se = math.sqrt(float(np.var(x, ddof=1)) / len(x) + float(np.var(y, ddof=1)) / len(y))
+        if abs(float(y.mean()) - float(x.mean())) > z * se:
+            return True
+        ordered_x, ordered_y = np.sort(x), np.sort(y)
+        n = len(ordered_y)
+        for q in (0.5, 0.9, 0.99):
+            half = z * math.sqrt(n * q * (1.0 - q))
+            lo = int(min(max(math.floor(n * q - half), 0), n - 1))
+            hi = int(min(max(math.ceil(n * q + half), 0), n - 1))
+            value = float(ordered_x[min(len(x) - 1, int(q * len(x)))])
+            if value < ordered_y[lo] or value > ordered_y[hi]:
                 return True
     return False

@@ -33,6 +33,7 @@ from controller.policy.leadtime import (
     since_mix_shift,
     window_spread,
 )
+from controller.policy.smoothing import MIX_STATISTICS, choose_lengths
 from controller.policy.state import LengthWindow, RateSample
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
@@ -294,6 +295,66 @@ def test_the_prompt_test_needs_enough_prompts_and_windows_that_do_not_overlap() 
     overlapping = tuple(_prompts(rng, 250.0 + 4.0 * i, 200) for i in range(5))
     longer = _prompts(rng, 270.0, 200, scale=3.0)
     assert since_mix_shift((*overlapping, longer), window_s=30.0, z=4.0)[1] is None
+
+
+def _documents(rng: np.random.Generator, n: int, scale: float = 1.0) -> LengthSamples:
+    # k documents of about 3,000 tokens each, P(k) ~ 1/k^2 up to 32: a heavy tail.
+    k = np.arange(1, 33)
+    p = 1.0 / k**2
+    counts = rng.choice(k, size=n, p=p / p.sum())
+    prompts = np.array([rng.lognormal(8.0, 0.4, c).sum() for c in counts]) * scale
+    return LengthSamples(
+        prompt_tokens=prompts.astype(np.int64) + 1,
+        output_tokens=rng.integers(100, 400, n),
+        source="documents",
+    )
+
+
+def test_a_heavy_tailed_mix_drawn_again_is_kept() -> None:
+    # Two pools of 900 requests of the same mix: their P99 prompts differ by more than
+    # the 5 % a fixed tolerance allowed, and by less than the pools' own noise.
+    rng = np.random.default_rng(21)
+    kept, seen = _documents(rng, 900), _documents(rng, 900)
+    p99 = [float(np.quantile(m.prompt_tokens, 0.99)) for m in (kept, seen)]
+    assert abs(p99[1] - p99[0]) > 0.05 * p99[0]
+    z = detection_z(0.99, MIX_STATISTICS * 120)
+    assert choose_lengths(seen, kept, z=z) == (kept, None)
+
+
+def test_prompts_a_fifth_longer_are_a_move_of_the_mix() -> None:
+    rng = np.random.default_rng(22)
+    kept, seen = _documents(rng, 900), _documents(rng, 900, scale=1.2)
+    z = detection_z(0.99, MIX_STATISTICS * 120)
+    chosen, entry = choose_lengths(seen, kept, z=z)
+    assert chosen is seen
+    assert entry is not None and entry.reason is Reason.LENGTHS_UPDATED
+
+
+def test_the_mix_is_kept_against_its_own_population_as_often_as_its_tests_allow() -> None:
+    # Kept: the population (50,000 draws: its figures' own noise a tenth of 400 draws');
+    # seen: 400 draws of it. Each of the four prompt figures reads as moved
+    # with probability about 2 x (1 - Phi(z)) (the outputs do not vary), so at z = 2 the
+    # mix moves at least as often as one figure alone does, and at most as often as the
+    # four together can (Bonferroni), each within 3 binomial sd over 1,500 draws.
+    rng = np.random.default_rng(23)
+    population = LengthSamples(
+        prompt_tokens=(800.0 * rng.lognormal(0.0, 0.8, 50_000)).astype(np.int64) + 1,
+        output_tokens=np.full(50_000, 200, dtype=np.int64),
+        source="population",
+    )
+    trials, moved = 1500, 0
+    for _ in range(trials):
+        rows = rng.integers(0, 50_000, 400)
+        seen = LengthSamples(
+            prompt_tokens=population.prompt_tokens[rows],
+            output_tokens=population.output_tokens[rows],
+            source="draw",
+        )
+        moved += choose_lengths(seen, population, z=2.0)[1] is not None
+    one, four = 2.0 * (1.0 - 0.9772498680518208), 8.0 * (1.0 - 0.9772498680518208)
+    low = one - 3.0 * math.sqrt(one * (1.0 - one) / trials)
+    high = four + 3.0 * math.sqrt(four * (1.0 - four) / trials)
+    assert low < moved / trials < high
 
 
 def test_the_ca2_is_the_newest_the_source_read_over_the_pool_s_span() -> None:
