@@ -1,6 +1,6 @@
 """Held-out workloads: `sara` against `static-peak` on shapes the bench's seven do not hold.
 
-The defaults were chosen on ``bench/policy_quality.py``'s workloads; these five were
+The defaults were chosen on ``bench/policy_quality.py``'s workloads; these twelve were
 drawn afterwards, with seeds, rates, ratios, profiles and SLOs that none of those
 uses, to see whether a change that helps there helps elsewhere:
 
@@ -28,8 +28,8 @@ uses, to see whether a change that helps there helps elsewhere:
   mirrored ramp comes in two steps of about 30 %, and the Azure code trace at 1.5x
   (llama-3.1-70b TP4 on H100, 2 s / 0.1 s).
 
-ShareGPT lengths throughout. Prints attainment, GPU-hours, scale events and lost
-requests per workload and policy (about 35 s on one core; 94 s with threshold and the oracle):
+ShareGPT lengths for the synthetic shapes. Prints attainment, GPU-hours, scale events and lost
+requests per workload and policy (about 42 s on one core; 125 s with threshold and the oracle):
 
     .venv/bin/python bench/policy_heldout.py [--policies sara,static-peak]
 """
