@@ -112,11 +112,12 @@ def decide(
         measured_pools[pool] = pstate
         reasons.extend([maybe] if maybe else [])
 
-    # The length mix pooled over lead.pool_s of windows, this one included (the ca², read
-    # over that span by the source, is the newest).
     # The shift, burst and overload tests share one threshold (Bonferroni over the
     # history's ticks, ``leadtime.detection_z``), and so does the prompts' test.
-    detect_z = detection_z(DEFAULT_QUANTILE, max(1.0, lead.history_s / config.interval_s))
+    ticks = max(1.0, lead.history_s / config.interval_s)
+    detect_z = detection_z(DEFAULT_QUANTILE, ticks)
+    # The length mix pooled over lead.pool_s of windows, this one included (the ca², read
+    # over that span by the source, is the newest).
     windows = pool_window(
         state.length_windows, observation.lengths, now_s=now_s, pool_s=lead.pool_s
     )
@@ -141,9 +142,7 @@ def decide(
         )
         return _hold(observation, replace(state, length_windows=windows), current, few, now_s)
     # The kept mix is judged on MIX_STATISTICS figures a tick: Bonferroni over them too.
-    mix_z = detection_z(
-        DEFAULT_QUANTILE, MIX_STATISTICS * max(1.0, lead.history_s / config.interval_s)
-    )
+    mix_z = detection_z(DEFAULT_QUANTILE, MIX_STATISTICS * ticks)
     lengths, lengths_entry = choose_lengths(seen_lengths, state.lengths, z=mix_z)
     this_tick = RateSample(time_s=now_s, rate_rps=raw_rate, estimate_rps=raw_rate, scv=seen_scv)
     pooled = newest_scv((*state.rates, this_tick), now_s=now_s, pool_s=lead.pool_s)

@@ -24,8 +24,9 @@ class PoolState:
     last_change_s: float | None = None
     below_since_s: float | None = None  # recommendations below current since then
     below_max: int | None = None  # the highest of those recommendations
-    # While a scale-up beyond the steady plan drains a queue: the size without it
-    # (the pool's size before the surge or the steady plan since, the larger).
+    # While a scale-up beyond the steady plan drains a queue, or serves a burst: the
+    # size without it (the pool's size before the surge or the steady plan of the
+    # windows since, the larger).
     surge_base: int | None = None
     calibration: float = 1.0  # observed / predicted P99, smoothed and bounded
     predicted_p99_s: float | None = None  # at the replicas and load of the last tick
