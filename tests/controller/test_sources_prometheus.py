@@ -271,9 +271,12 @@ def test_the_arrival_history_warm_starts_the_forecasters_record(stack: Stack) ->
 
 @needs_prometheus
 def test_the_reconstructed_lengths_keep_the_bucket_shares(stack: Stack) -> None:
-    with source(stack.url, n_length_samples=800) as prom:
+    # Half the window's RATE_RPS x WINDOW_S = 800 requests: a window gives one pair per
+    # request it finished, at most n_length_samples, and a loaded machine's exporters
+    # may finish a few fewer than they were driven to.
+    with source(stack.url, n_length_samples=400) as prom:
         lengths = prom.observe(now_s=0.0, replicas=REPLICAS).lengths
-    assert lengths is not None and len(lengths) == 800
+    assert lengths is not None and len(lengths) == 400
     # Prompts are uniform on 1..1024: each of the 8 buckets holds an eighth.
     edges = (0, *PROMPT_BUCKETS_TOKENS)
     shares = np.histogram(lengths.prompt_tokens, bins=np.array(edges) + 0.5)[0] / len(lengths)
