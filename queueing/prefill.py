@@ -811,29 +811,36 @@ class PrefillModel:
             solo_load = arrival_rate_rps * self.mean_service_s
             packed_load = arrival_rate_rps * self.packed_service_s
             absorbing = solo_load / (1.0 + solo_load - packed_load)
-            return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
-        excursion = self.excursion(workers=workers, arrival_rate_rps=arrival_rate_rps)
-        # An excursion's head takes a finished prompt's place. At a one-chunk prompt's
-        # end the prompts queued behind the head ride beside it on that worker, as a
-        # batch (``excursion_extras``), each adding its solo time less the t0 of the
-        # iteration it shares; a multi-chunk prompt's worker takes its next prompt at
-        # its last chunk's start, one iteration before its end, and that prompt too
-        # runs in the finished one's place: for the pool's all-busy time it is an
-        # M/G/N worker's next prompt, taken early. (Counting one extra of a packed
-        # time per excursion instead, whatever its length, put seed 2027 #30's P_w
-        # at 0.220 on 21 workers against 0.259 simulated, and 0.090 on 24 against
-        # 0.090: too flat in the load.)
-        some, batch = excursion_extras(excursion=excursion, admitted=self.admitted)
-        absorbing = all_busy_probability(
-            workers=workers,
-            arrival_rate_rps=arrival_rate_rps,
-            solo_s=self.mean_service_s,
-            packed_s=self.packed_service_s,
-            absorbed_s=batch * self.riding_service_s,
-            excursion=excursion,
-            extra_share=self.one_chunk_share * some,
-        )
-        return absorbing / erlang_c(workers, arrival_rate_rps * alone_s)
+        else:
+            excursion = self.excursion(workers=workers, arrival_rate_rps=arrival_rate_rps)
+            # An excursion's head takes a finished prompt's place. At a one-chunk prompt's
+            # end the prompts queued behind the head ride beside it on that worker, as a
+            # batch (``excursion_extras``), each adding its solo time less the t0 of the
+            # iteration it shares; a multi-chunk prompt's worker takes its next prompt at
+            # its last chunk's start, one iteration before its end, and that prompt too
+            # runs in the finished one's place: for the pool's all-busy time it is an
+            # M/G/N worker's next prompt, taken early. (Counting one extra of a packed
+            # time per excursion instead, whatever its length, put seed 2027 #30's P_w
+            # at 0.220 on 21 workers against 0.259 simulated, and 0.090 on 24 against
+            # 0.090: too flat in the load.)
+            some, batch = excursion_extras(excursion=excursion, admitted=self.admitted)
+            absorbing = all_busy_probability(
+                workers=workers,
+                arrival_rate_rps=arrival_rate_rps,
+                solo_s=self.mean_service_s,
+                packed_s=self.packed_service_s,
+                absorbed_s=batch * self.riding_service_s,
+                excursion=excursion,
+                extra_share=self.one_chunk_share * some,
+            )
+        poisson = erlang_c(workers, arrival_rate_rps * alone_s)
+        if poisson == 0.0:
+            # A load so light that Erlang C is below the smallest float (1e-9 req/s on
+            # 64 workers): the chain's value underflows too, and their ratio is 0/0.
+            # The GI/M/N value is left as it is, the larger of the two: absorption
+            # only shortens waits.
+            return 1.0
+        return absorbing / poisson
 
     def excursion(self, *, workers: int, arrival_rate_rps: float) -> float:
         """X: the all-busy time with prompts queued over the all-busy time without

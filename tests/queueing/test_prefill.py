@@ -89,6 +89,22 @@ def test_at_vanishing_load_the_ttft_quantile_is_the_service_quantile(
     assert got == pytest.approx(empirical, rel=0.02)
 
 
+@pytest.mark.parametrize("workers", [64, 200])
+def test_a_large_pool_at_an_all_but_idle_rate_waits_for_no_one(
+    samples: LengthSamples, profile: IterationProfile, workers: int
+) -> None:
+    # The load is far below the smallest float's share of busy time: Erlang C and the
+    # absorbing chain's all-busy probability both underflow to zero, and their ratio
+    # must not be taken.
+    model = PrefillModel.build(samples, profile, token_budget=2048)
+    assert erlang_c(workers, 1e-9 * model.mean_service_s) == 0.0
+    tail = model.wait_tail(workers=workers, arrival_rate_rps=1e-9, ca2=1.0)
+    assert tail.wait_probability == 0.0
+    service = prefill_service_s(profile, samples.prompt_tokens.astype(np.float64), 2048)
+    got = model.ttft_quantile_s(workers=workers, arrival_rate_rps=1e-9, ca2=1.0, quantile=0.99)
+    assert got == pytest.approx(float(np.quantile(service, 0.99)), rel=0.02)
+
+
 def test_the_mean_service_time_is_exact_over_all_samples(
     samples: LengthSamples, profile: IterationProfile
 ) -> None:
