@@ -132,7 +132,7 @@ class DecodeModel:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch!r}")
         if not (math.isfinite(kv_link_bytes_per_s) and kv_link_bytes_per_s > 0):
             raise ValueError(f"kv_link_bytes_per_s: must be > 0, got {kv_link_bytes_per_s!r}")
-        decoding = samples.output_tokens >= 2
+        decoding = samples.decoding
         if not np.any(decoding):
             raise ValueError("output_tokens: no request has more than one output token")
         prompt = samples.prompt_tokens[decoding].astype(np.float64)

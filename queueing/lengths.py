@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -51,6 +52,12 @@ class LengthSamples:
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)
+
+    @property
+    def decoding(self) -> BoolArray:
+        """The requests that reach the decode pool: a request's first token comes
+        from its prefill, so only those with more than one output token decode."""
+        return self.output_tokens >= 2
 
 
 def observed_within_context(

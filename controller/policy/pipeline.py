@@ -129,6 +129,32 @@ def decide(
             )
         )
     seen_lengths = pooled_lengths(windows, now_s=now_s, window_s=config.window_s)
+    if seen_lengths is not None and not seen_lengths.decoding.any():
+        # Every request of the pool ended at its first token (scoring, embedding or
+        # max_tokens=1 probes): none reached the decode pool, so the mix says nothing
+        # of what the decode pool serves, and no decode model can be built from it.
+        # The decode pool's load is the last mix that decoded; without one, hold.
+        no_decode = (
+            "no request of the pooled length mix has more than one output token: "
+            "the decode pool cannot be sized from it"
+        )
+        if state.lengths is None:
+            idle = ReasonEntry(
+                stage=Stage.VALIDATE,
+                reason=Reason.METRICS_STALE,
+                pool=None,
+                detail=f"{no_decode}; holding the current replicas",
+            )
+            return _hold(observation, replace(state, length_windows=windows), current, idle, now_s)
+        reasons.append(
+            ReasonEntry(
+                stage=Stage.SMOOTH,
+                reason=Reason.LENGTHS_KEPT,
+                pool=None,
+                detail=f"{no_decode}; the mix it last moved to stays",
+            )
+        )
+        seen_lengths = None
     if seen_lengths is None and state.lengths is None:
         # A first mix of a few requests would size a P99 on a handful of prompts (the
         # first to finish after a start are the short ones): wait, gathering windows.

@@ -41,6 +41,7 @@ class Reason(enum.Enum):
     QUEUE_DRAIN = "queue_drain"
     LENGTHS_UPDATED = "lengths_updated"
     LENGTHS_SHIFTED = "lengths_shifted"
+    LENGTHS_KEPT = "lengths_kept"
     CALIBRATED = "calibrated"
     FORECAST_RAISED = "forecast_raised"
     CALIBRATION_SKIPPED = "calibration_skipped"

@@ -802,6 +802,28 @@ def test_ten_minutes_of_missing_metrics_never_scale_down() -> None:
 # -- every reason has a scenario that produces it ----------------------------------------
 
 
+# The conversation mix's prompts, each answered with a single token (a scoring or
+# max_tokens=1 request): none of them reaches the decode pool.
+SINGLE_TOKEN = replace(LENGTHS, output_tokens=np.ones_like(LENGTHS.output_tokens))
+
+
+def test_requests_that_end_at_their_first_token_keep_the_mix_the_decode_pool_was_sized_on() -> None:
+    settled = decide(observation(0.0, 40.0, 1, 1), ControllerState(), CONFIG, now_s=0.0).state
+    d = decide(observation(400.0, 40.0, 2, 2, lengths=SINGLE_TOKEN), settled, CONFIG, now_s=400.0)
+    assert Reason.LENGTHS_KEPT in _reasons_of(d)
+    assert d.state.lengths is settled.lengths
+    assert recommended(d) is not None
+
+
+def test_a_first_mix_whose_requests_never_decode_holds_the_replicas() -> None:
+    d = decide(
+        observation(0.0, 40.0, 3, 2, lengths=SINGLE_TOKEN), ControllerState(), CONFIG, now_s=0.0
+    )
+    assert Reason.METRICS_STALE in _reasons_of(d)
+    assert (d.target(Pool.PREFILL), d.target(Pool.DECODE)) == (3, 2)
+    assert not d.actuate
+
+
 def _reasons_of(d: Decision) -> set[Reason]:
     return {r.reason for r in d.reasons}
 
@@ -914,6 +936,10 @@ def _scenarios() -> dict[Reason, Decision]:
     longer = replace(LENGTHS, prompt_tokens=2 * LENGTHS.prompt_tokens)
     out[Reason.LENGTHS_SHIFTED] = decide(
         observation(60.0, 40.0, 2, 2, lengths=longer), pooled.state, CONFIG, now_s=60.0
+    )
+    # Past the pooling span, a window whose every request ended at its first token.
+    out[Reason.LENGTHS_KEPT] = decide(
+        observation(400.0, 40.0, 2, 2, lengths=SINGLE_TOKEN), settled, CONFIG, now_s=400.0
     )
     out[Reason.LEAD_TIME_PLANNED] = out[Reason.RATE_SMOOTHED]
     # A scale-up to 3 decided at 0 s, all 3 ready at the 60-s tick.
