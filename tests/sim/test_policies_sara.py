@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from controller.policy.forecast import seasonal_forecast, trend_forecast
+from controller.policy.vocabulary import Reason
 from queueing.catalog import resolve_profile
 from queueing.pools import Pool
 from queueing.solver import KvLink, SloTargets
 from sim.backtest import run_backtest
 from sim.policies import Allocation, SaraPolicy, Scenario, forecasting, make_policy
+from sim.trace import Trace
 from sim.trace_io import load_trace
 from sim.workload import scale_rate, time_slice
 
@@ -191,3 +193,30 @@ def test_the_forecast_raises_only_the_planning_rate_and_never_the_measurements()
         any(r.reason.value == "forecast_raised" for r in d.reasons) for d in policy.decisions
     )
     assert policy.forecasts > 0  # the 3x conversation ramp does trip the trend
+
+
+def test_the_controller_rides_through_silence_on_a_large_pool_and_a_phase_of_single_tokens() -> (
+    None
+):
+    # Two shapes that once raised out of the tick: a window with no arrivals on 64
+    # prefill workers (Erlang C below the smallest float), and a pooled mix whose
+    # every request ended at its first token (no decode model can be built from it).
+    rng = np.random.default_rng(5)
+    busy = np.cumsum(rng.exponential(1 / 8.0, 2400))  # 8 req/s for about 300 s
+    single = busy[-1] + 300.0 + np.cumsum(rng.exponential(1 / 4.0, 1000))  # after silence
+    arrivals = np.concatenate([busy, single])
+    prompts = rng.integers(50, 1500, len(arrivals))
+    outputs = np.concatenate([rng.integers(2, 300, len(busy)), np.ones(len(single), np.int64)])
+    trace = Trace(arrival_s=arrivals, prompt_tokens=prompts, output_tokens=outputs, source="edges")
+    scenario = Scenario(
+        profile=resolve_profile("llama-3-8b@h100-sxm"),
+        slo=SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.05),
+        link=KvLink(bytes_per_s=50e9),
+    )
+    policy = make_policy("sara", trace, scenario, initial=Allocation(prefill=64, decode=4))
+    result = run_backtest(trace, policy, scenario)
+    assert result.summary.lost_requests == 0
+    assert result.summary.completed == len(arrivals)
+    reasons = {e.reason for d in policy.decisions for e in d.reasons}
+    assert Reason.LENGTHS_KEPT in reasons
+    assert min(d.target(Pool.PREFILL) for d in policy.decisions) < 64  # it did scale down
