@@ -133,7 +133,7 @@ class DecodeModel:
         if not (math.isfinite(kv_link_bytes_per_s) and kv_link_bytes_per_s > 0):
             raise ValueError(f"kv_link_bytes_per_s: must be > 0, got {kv_link_bytes_per_s!r}")
         decoding = samples.decoding
-        if not np.any(decoding):
+        if not decoding.any():
             raise ValueError("output_tokens: no request has more than one output token")
         prompt = samples.prompt_tokens[decoding].astype(np.float64)
         out = samples.output_tokens[decoding].astype(np.float64)

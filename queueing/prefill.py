@@ -837,8 +837,7 @@ class PrefillModel:
         if poisson == 0.0:
             # A load so light that Erlang C is below the smallest float (1e-9 req/s on
             # 64 workers): the chain's value underflows too, and their ratio is 0/0.
-            # The GI/M/N value is left as it is, the larger of the two: absorption
-            # only shortens waits.
+            # The GI/M/N value is left unscaled (at such a load it is about zero too).
             return 1.0
         return absorbing / poisson
 
