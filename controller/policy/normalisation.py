@@ -308,11 +308,15 @@ def normalise(
         burst=burst,
     )
     note(entry)
-    if entry is None or entry.reason is not Reason.DRAINED:
-        # (A drained surge is released without the down cooldown: the cooldown holds
-        # a pool against noisy recommendations, and the surge's end is no noise.)
-        target, entry = cooldown(pool, target, current, pstate, config, now_s)
-        note(entry)
+    if entry is not None and entry.reason is Reason.DRAINED:
+        # A drained surge is released without the down cooldown or the rate limit: both
+        # hold a pool against noisy recommendations, and the surge's end is no noise.
+        # Its base is the size the pool had before it (or the steady plan of the
+        # windows since), so the release lands where the pool was, in one scale event
+        # rather than one per halving.
+        return target, pstate, entries
+    target, entry = cooldown(pool, target, current, pstate, config, now_s)
+    note(entry)
     target, entry = rate_limit(pool, target, current, config, moved=moved)
     note(entry)
     return target, pstate, entries

@@ -382,6 +382,23 @@ def test_a_drained_surge_is_not_held_by_the_down_cooldown() -> None:
     assert Reason.COOLDOWN_DOWN in {e.reason for e in entries}
 
 
+def test_a_drained_surge_goes_back_to_its_base_in_one_step_not_one_per_halving() -> None:
+    # A surge from 3 to 13 workers whose queue has gone: the rate limit (half of 13 per
+    # tick) would take 13 -> 7 -> 4 -> 3, three scale events for one release.
+    surged = PoolState(surge_base=3, last_change_s=0.0)
+    model = CapacityModel.build(LENGTHS, PROFILE, tpot_slo_s=0.1)
+    aimed = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.1)
+    kwargs = {"model": model, "raw_rate_rps": 1.0, "ca2": 1.0, "aimed": aimed, "config": CONFIG}
+    got, _, entries = normalise(Pool.PREFILL, 3, 13, surged, now_s=60.0, steady=3, **kwargs)  # type: ignore[arg-type]
+    assert got == 3
+    assert Reason.RATE_LIMITED not in {e.reason for e in entries}
+    # A plain scale-down from 13 after its window is limited as before.
+    plain = PoolState(last_change_s=-600.0, below_since_s=-600.0, below_max=3)
+    got, _, entries = normalise(Pool.PREFILL, 3, 13, plain, now_s=60.0, **kwargs)  # type: ignore[arg-type]
+    assert got == 13 - math.floor(CONFIG.max_step_fraction * 13)
+    assert Reason.RATE_LIMITED in {e.reason for e in entries}
+
+
 def test_a_queue_the_serving_workers_cannot_clear_raises_both_pools_then_goes() -> None:
     # Beyond what two prefill workers clear, so the queue grows until a worker
     # asked for now serves.
