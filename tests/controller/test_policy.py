@@ -367,11 +367,16 @@ def test_a_surge_releases_only_what_it_added_to_a_pool_the_window_was_holding() 
     assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
 
 
-def test_a_drained_surge_is_not_held_by_the_down_cooldown() -> None:
-    surged = PoolState(surge_base=3, last_change_s=0.0)
+def _normalise_kwargs() -> dict[str, object]:
+    """``normalise``'s arguments at 1 req/s, Poisson, the default config and SLOs."""
     model = CapacityModel.build(LENGTHS, PROFILE, tpot_slo_s=0.1)
     aimed = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.1)
-    kwargs = {"model": model, "raw_rate_rps": 1.0, "ca2": 1.0, "aimed": aimed, "config": CONFIG}
+    return {"model": model, "raw_rate_rps": 1.0, "ca2": 1.0, "aimed": aimed, "config": CONFIG}
+
+
+def test_a_drained_surge_is_not_held_by_the_down_cooldown() -> None:
+    surged = PoolState(surge_base=3, last_change_s=0.0)
+    kwargs = _normalise_kwargs()
     got, _, entries = normalise(Pool.PREFILL, 3, 6, surged, now_s=30.0, steady=3, **kwargs)  # type: ignore[arg-type]
     assert got == 3
     assert Reason.DRAINED in {e.reason for e in entries}
@@ -386,9 +391,7 @@ def test_a_drained_surge_goes_back_to_its_base_in_one_step_not_one_per_halving()
     # A surge from 3 to 13 workers whose queue has gone: the rate limit (half of 13 per
     # tick) would take 13 -> 7 -> 4 -> 3, three scale events for one release.
     surged = PoolState(surge_base=3, last_change_s=0.0)
-    model = CapacityModel.build(LENGTHS, PROFILE, tpot_slo_s=0.1)
-    aimed = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.1)
-    kwargs = {"model": model, "raw_rate_rps": 1.0, "ca2": 1.0, "aimed": aimed, "config": CONFIG}
+    kwargs = _normalise_kwargs()
     got, _, entries = normalise(Pool.PREFILL, 3, 13, surged, now_s=60.0, steady=3, **kwargs)  # type: ignore[arg-type]
     assert got == 3
     assert Reason.RATE_LIMITED not in {e.reason for e in entries}
