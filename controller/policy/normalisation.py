@@ -277,7 +277,8 @@ def normalise(
     queue_left: str | None = None,
     burst: bool = False,
 ) -> tuple[int, PoolState, list[ReasonEntry]]:
-    """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool.
+    """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool; a
+    drained surge's release (``stabilise``'s ``drained``) ends the chain there.
 
     ``raw_rate_rps`` is the rate the safety check judges a scale-down at: the larger
     of the window's measured rate and the pool's lead-time upper quantile; ``ca2`` the
