@@ -648,7 +648,9 @@ class ControllerConfig:
         ge=0,
         le=86_400,
         doc="A lower target must hold this many seconds before scaling down; the pool "
-        "then shrinks to the highest target seen in that window.",
+        "then shrinks to the highest target seen in that window. With lead-time "
+        "planning, a pool whose lead-time bounds held over the history waits its lead "
+        "time instead, where that is shorter.",
     )
     kv_link_gbps: float = knob(
         default=400.0,

@@ -38,13 +38,14 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 from statistics import NormalDist
+from typing import Protocol, TypeVar
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from controller.config import ControllerConfig
 from controller.observation import PoolObservation
-from controller.policy.state import LengthWindow, PoolState, RateSample
+from controller.policy.state import BoundSample, LengthWindow, PoolState, RateSample
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.lengths import LengthSamples
 from queueing.pools import PerPool, Pool
@@ -56,6 +57,9 @@ MIN_HISTORY = 3
 # The fewest past lead-time errors before they are conditioned on the window's gap to
 # the estimate (a line's slope and residual spread from fewer are too noisy).
 MIN_REGRESSION = 20
+# The fewest lead-time bounds whose lead time has been realised before their record may
+# shorten the stabilisation window (``stabilisation_window``).
+MIN_JUDGED_BOUNDS = 20
 # At most this many (prompt, output) samples are kept per measurement window of the
 # pooled mix (an evenly strided subset), which bounds the persisted state.
 MAX_WINDOW_SAMPLES = 256
@@ -400,6 +404,50 @@ def bound_entry(pool: Pool, bound: RateBound, z: float) -> ReasonEntry:
     )
 
 
+# -- how the bounds held: the stabilisation window ------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class BoundRecord:
+    """How a pool's past lead-time bounds fared: of ``judged`` bounds whose lead time
+    has been realised, ``exceeded`` were below the mean rate that arrived over it."""
+
+    judged: int
+    exceeded: int
+
+
+def judge_bounds(
+    bounds: tuple[BoundSample, ...],
+    rates: tuple[RateSample, ...],
+    *,
+    now_s: float,
+    history_s: float,
+    interval_s: float,
+) -> BoundRecord:
+    """Each bound of the last ``history_s`` against the rate its lead time brought:
+    the mean measured rate over the ``ticks`` recorded after it, judged only where
+    they follow at the tick interval (as ``rate_upper`` reads its errors).
+
+    What is judged is what arrived, counting noise included, not the rate the bound
+    is a quantile of: a pool whose plan covered every lead time's arrivals has held.
+    So the record errs toward holding: on a steady Poisson rate, whose bound is
+    about the estimate's own noise, the counting noise of the lead time's mean takes
+    it above the bound in a few per cent of lead times."""
+    times = np.array([r.time_s for r in rates], dtype=np.float64)
+    measured = np.array([r.rate_rps for r in rates], dtype=np.float64)
+    judged = exceeded = 0
+    for bound in bounds:
+        if bound.time_s < now_s - history_s:
+            continue
+        first = int(np.searchsorted(times, bound.time_s, side="right"))
+        last = first + bound.ticks
+        if last > len(times) or times[last - 1] - bound.time_s > (bound.ticks + 0.5) * interval_s:
+            continue
+        judged += 1
+        exceeded += int(measured[first:last].mean() > bound.upper_rps)
+    return BoundRecord(judged=judged, exceeded=exceeded)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DrainPlan:
     """The rates each pool must absorb while the prefill queue drains (req/s)."""
@@ -456,14 +504,23 @@ def drain_entry(plan: DrainPlan, startup_s: float) -> ReasonEntry:
     )
 
 
-def record_rate(
-    rates: tuple[RateSample, ...],
-    sample: RateSample,
+class _Timed(Protocol):
+    @property
+    def time_s(self) -> float: ...
+
+
+TimedT = TypeVar("TimedT", bound=_Timed)
+
+
+def record_sample(
+    samples: tuple[TimedT, ...],
+    sample: TimedT,
     *,
     keep_s: float,
-) -> tuple[RateSample, ...]:
-    """``rates`` with this tick's sample, those older than ``keep_s`` dropped."""
-    kept = tuple(r for r in rates if sample.time_s - keep_s <= r.time_s < sample.time_s)
+) -> tuple[TimedT, ...]:
+    """``samples`` (rates, bounds) with this tick's ``sample``, those older than
+    ``keep_s`` dropped."""
+    kept = tuple(r for r in samples if sample.time_s - keep_s <= r.time_s < sample.time_s)
     return (*kept, sample)
 
 

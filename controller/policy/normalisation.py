@@ -8,8 +8,10 @@ safety     — a scale-down must also meet the SLOs at the *current* raw rate an
              smaller pool is safe when it holds what may come before a worker
              added back would serve);
 dead-band  — ignore relative changes below the band;
-stabilise  — a lower recommendation must hold for the stabilisation window, and
-             the pool scales down to the highest recommendation seen in it; a
+stabilise  — a lower recommendation must hold for the stabilisation window (the
+             configured one, or the pool's lead time where its lead-time bounds
+             held: ``stabilisation_window``), and the pool scales down to the
+             highest recommendation seen in it; a
              surge for a queue or a burst is released at once when it is over,
              and held while the queue lasts;
 cooldown   — separate for up and down, from the pool's last change;
@@ -22,9 +24,10 @@ to minimise the worst predicted P99/SLO ratio when it binds).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from controller.config import ControllerConfig, PoolLimits
+from controller.policy.leadtime import MIN_JUDGED_BOUNDS, BoundRecord
 from controller.policy.state import PoolState
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage
 from queueing.pools import PerPool, Pool
@@ -112,6 +115,59 @@ def dead_band(
     return target, None
 
 
+@dataclass(frozen=True, kw_only=True)
+class StabilisationWindow:
+    """How long a lower recommendation must hold before the pool scales down, and why."""
+
+    window_s: float
+    detail: str
+
+
+def configured_window(config: ControllerConfig) -> StabilisationWindow:
+    """The configured ``scale_down_stabilisation_s``."""
+    configured = config.scale_down_stabilisation_s
+    return StabilisationWindow(window_s=configured, detail=f"{configured:g}-s stabilisation window")
+
+
+def stabilisation_window(
+    record: BoundRecord, *, lead_s: float, config: ControllerConfig, quantile: float
+) -> StabilisationWindow:
+    """The configured stabilisation window, or the pool's lead time where its
+    lead-time bound has held.
+
+    The window keeps a pool from following noisy or bursty recommendations down and
+    up again; the lead-time bound already asks that a smaller pool hold the rate's
+    upper quantile for as long as a worker added back would take to serve. Where the
+    bound is known to hold, waiting a lead time is enough: what arrives before a
+    scale-up could come back was planned for. Known from the record
+    (``leadtime.judge_bounds``): at least ``MIN_JUDGED_BOUNDS`` bounds, each built
+    from the errors of a history long enough to condition them, judged against what
+    arrived over their lead time, exceeded no more often than the risk allows (at
+    most n x (1 - quantile) of n: none below a hundred). Bursts that recur between
+    silences exceed the bound before each burst and keep the configured window; so
+    does a cold start, whose bounds rest on too few errors to be judged."""
+    configured = config.scale_down_stabilisation_s
+    allowed = math.floor(record.judged * (1.0 - quantile) + 1e-9)
+    record_text = (
+        f"the rate over a lead time exceeded its bound on {record.exceeded} of the last "
+        f"{record.judged}"
+    )
+    if lead_s >= configured:
+        return configured_window(config)
+    if record.judged < MIN_JUDGED_BOUNDS:
+        return StabilisationWindow(
+            window_s=configured,
+            detail=f"{configured:g}-s stabilisation window ({record.judged} lead-time bounds "
+            f"judged, fewer than {MIN_JUDGED_BOUNDS})",
+        )
+    if record.exceeded > allowed:
+        return StabilisationWindow(
+            window_s=configured,
+            detail=f"{configured:g}-s stabilisation window ({record_text}, more than {allowed})",
+        )
+    return StabilisationWindow(window_s=lead_s, detail=f"{lead_s:.0f}-s lead time ({record_text})")
+
+
 def stabilise(
     pool: Pool,
     target: int,
@@ -123,8 +179,11 @@ def stabilise(
     steady: int | None = None,
     queue_left: str | None = None,
     burst: bool = False,
+    window: StabilisationWindow,
 ) -> tuple[int, PoolState, ReasonEntry | None]:
-    """Scale down only after lower recommendations held for the stabilisation window.
+    """Scale down only after lower recommendations held for the stabilisation window
+    (``window``: the configured one, or the lead time where the pool's lead-time
+    bound has held, ``stabilisation_window``).
 
     ``steady`` is the recommendation without the workers that drain a prefill queue
     (``leadtime.drain_plan``; None: the same as ``target``). The window holds a pool
@@ -183,7 +242,7 @@ def stabilise(
     since = pstate.below_since_s if pstate.below_since_s is not None else now_s
     highest = max(target, pstate.below_max or 0)
     held_s = now_s - since
-    if held_s < config.scale_down_stabilisation_s:
+    if held_s < window.window_s:
         return (
             current,
             replace(pstate, below_since_s=since, below_max=highest),
@@ -191,8 +250,7 @@ def stabilise(
                 stage=Stage.STABILISE,
                 reason=Reason.STABILISING,
                 pool=pool,
-                detail=f"lower target held {held_s:.0f} s of "
-                f"{config.scale_down_stabilisation_s:g} s",
+                detail=f"lower target held {held_s:.0f} s of the {window.detail}",
             ),
         )
     return (
@@ -202,7 +260,8 @@ def stabilise(
             stage=Stage.STABILISE,
             reason=Reason.STABILISED,
             pool=pool,
-            detail=f"lower target held {held_s:.0f} s: down to the highest seen, {highest}",
+            detail=f"lower target held {held_s:.0f} s, the {window.detail}: down to the "
+            f"highest seen, {highest}",
         ),
     )
 
@@ -276,6 +335,7 @@ def normalise(
     steady: int | None = None,
     queue_left: str | None = None,
     burst: bool = False,
+    window: StabilisationWindow,
 ) -> tuple[int, PoolState, list[ReasonEntry]]:
     """safety -> dead-band -> stabilise -> cooldown -> rate limit, for one pool; a
     drained surge's release (``stabilise``'s ``drained``) ends the chain there.
@@ -284,7 +344,8 @@ def normalise(
     of the window's measured rate and the pool's lead-time upper quantile; ``ca2`` the
     SCV of the pool's own arrivals (``CapacityModel.arrival_scv``); ``steady`` the
     recommendation without the workers that drain a queue and ``queue_left`` why the
-    prefill queue is still there (``stabilise``)."""
+    prefill queue is still there, and ``window`` how long a lower recommendation must
+    hold (``stabilise``)."""
     entries: list[ReasonEntry] = []
 
     def note(entry: ReasonEntry | None) -> None:
@@ -307,6 +368,7 @@ def normalise(
         steady=steady,
         queue_left=queue_left,
         burst=burst,
+        window=window,
     )
     note(entry)
     if entry is not None and entry.reason is Reason.DRAINED:

@@ -24,6 +24,7 @@ function in its own module returning its value and a reason (HPA-style):
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from controller.config import ControllerConfig, Mode
@@ -32,12 +33,14 @@ from controller.policy.calibration import calibrate
 from controller.policy.decision import Decision, PoolDecision
 from controller.policy.leadtime import (
     MIN_POOLED_REQUESTS,
+    MIN_REGRESSION,
     bound_entry,
     detection_z,
     drain_entry,
     drain_plan,
     forecast_at,
     forecast_horizon_s,
+    judge_bounds,
     lead_time_s,
     measure_startup,
     newest_scv,
@@ -45,14 +48,19 @@ from controller.policy.leadtime import (
     pooled_lengths,
     pooled_requests,
     rate_upper,
-    record_rate,
+    record_sample,
     response_s,
     risk_z,
     since_mix_shift,
     window_spread,
 )
 from controller.policy.models import CapacityModels
-from controller.policy.normalisation import clamp, normalise
+from controller.policy.normalisation import (
+    clamp,
+    configured_window,
+    normalise,
+    stabilisation_window,
+)
 from controller.policy.recommend import recommend
 from controller.policy.smoothing import (
     MIX_STATISTICS,
@@ -62,7 +70,7 @@ from controller.policy.smoothing import (
     validate,
     with_forecast,
 )
-from controller.policy.state import ControllerState, PoolState, RateSample
+from controller.policy.state import BoundSample, ControllerState, PoolState, RateSample
 from controller.policy.steady import overloaded
 from controller.policy.vocabulary import Reason, ReasonEntry, Stage, outcome
 from queueing.catalog import resolve_profile
@@ -206,11 +214,8 @@ def decide(
         reasons.append(lengths_entry)
     estimate, maybe = plan_for_overload(smoothed, raw_rate, behind)
     reasons.extend([maybe] if maybe else [])
-    rates = record_rate(
-        state.rates,
-        replace(this_tick, estimate_rps=estimate),
-        keep_s=lead.history_s + 2 * max(lead_time_s(p, config) for p in measured_pools.values()),
-    )
+    keep_s = lead.history_s + 2 * max(lead_time_s(p, config) for p in measured_pools.values())
+    rates = record_sample(state.rates, replace(this_tick, estimate_rps=estimate), keep_s=keep_s)
     # Each pool plans for the upper quantile of the rate over its own lead time.
     upper = PerPool.build(
         lambda pool: rate_upper(
@@ -289,10 +294,32 @@ def decide(
 
     normalised: dict[Pool, tuple[int, PoolState]] = {}
     for pool in Pool:
+        bounds = measured_pools[pool].bounds
+        window = configured_window(config)
+        if lead.enabled:
+            # How long a lower recommendation must hold follows how the pool's bounds
+            # held. This tick's bound is judged once its lead time has passed, if it
+            # rests on as many errors as the gap line needs: a cold start's bounds,
+            # from a few minutes of history, are not the ones the window would trust.
+            record = judge_bounds(
+                bounds,
+                rates,
+                now_s=now_s,
+                history_s=lead.history_s,
+                interval_s=config.interval_s,
+            )
+            window = stabilisation_window(
+                record, lead_s=upper[pool].lead_s, config=config, quantile=DEFAULT_QUANTILE
+            )
+            if upper[pool].history >= MIN_REGRESSION:
+                ticks = math.ceil(upper[pool].lead_s / config.interval_s - 1e-9)
+                sample = BoundSample(time_s=now_s, upper_rps=upper[pool].upper_rps, ticks=ticks)
+                bounds = record_sample(bounds, sample, keep_s=keep_s)
         pstate = replace(
             measured_pools[pool],
             calibration=calibration[pool].factor,
             transient_s=calibration[pool].transient_s,
+            bounds=bounds,
         )
         judged_rps = max(raw_rate, planned[pool]) if lead.enabled else raw_rate
         target, pstate, entries = normalise(
@@ -320,6 +347,7 @@ def decide(
             # drain's departures): held while it lasts.
             queue_left=behind.prefill,
             burst=burst,
+            window=window,
         )
         reasons.extend(entries)
         normalised[pool] = target, pstate

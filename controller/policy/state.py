@@ -18,6 +18,16 @@ from queueing.pools import PerPool
 
 
 @dataclass(frozen=True, kw_only=True)
+class BoundSample:
+    """One tick's upper quantile of the rate over a pool's lead time, kept to be
+    judged against the rate the ``ticks`` after it realise."""
+
+    time_s: float
+    upper_rps: float
+    ticks: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class PoolState:
     """What one pool remembers between ticks."""
 
@@ -36,6 +46,9 @@ class PoolState:
     scale_up_to: int | None = None  # ... to this many workers
     startup_s: float | None = None  # measured decision-to-ready start-up, seconds
     startup_samples: int = 0  # scale-ups measured
+    # The lead-time bounds this pool planned for, built from a full history, whose
+    # record decides how long a lower recommendation must hold (oldest first).
+    bounds: tuple[BoundSample, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +70,23 @@ class LengthWindow:
     output_tokens: np.ndarray
 
 
+def _pool_to_dict(pstate: PoolState) -> dict[str, Any]:
+    data = vars(pstate).copy()
+    data["bounds"] = [vars(b).copy() for b in pstate.bounds]
+    return data
+
+
+def _pool_from_dict(data: dict[str, Any]) -> PoolState:
+    fields = dict(data)
+    fields["bounds"] = tuple(
+        BoundSample(
+            time_s=float(b["time_s"]), upper_rps=float(b["upper_rps"]), ticks=int(b["ticks"])
+        )
+        for b in fields.get("bounds", ())
+    )
+    return PoolState(**fields)
+
+
 def _fresh_pools() -> PerPool[PoolState]:
     return PerPool.both(PoolState())
 
@@ -76,7 +106,7 @@ class ControllerState:
         return {
             "smoothed_rate_rps": self.smoothed_rate_rps,
             "last_tick_s": self.last_tick_s,
-            **{pool.value: vars(pstate).copy() for pool, pstate in self.pools.items()},
+            **{pool.value: _pool_to_dict(pstate) for pool, pstate in self.pools.items()},
             "lengths": None
             if self.lengths is None
             else {
@@ -101,7 +131,7 @@ class ControllerState:
         return cls(
             smoothed_rate_rps=data.get("smoothed_rate_rps"),
             last_tick_s=data.get("last_tick_s"),
-            pools=PerPool.build(lambda pool: PoolState(**data.get(pool.value, {}))),
+            pools=PerPool.build(lambda pool: _pool_from_dict(data.get(pool.value, {}))),
             lengths=None
             if lengths is None
             else LengthSamples(

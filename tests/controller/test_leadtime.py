@@ -14,12 +14,15 @@ from controller.observation import PoolObservation
 from controller.policy import ControllerState, PoolState, Reason
 from controller.policy.leadtime import (
     MAX_WINDOW_SAMPLES,
+    MIN_JUDGED_BOUNDS,
     MIN_POOLED_REQUESTS,
+    BoundRecord,
     RateBound,
     detection_z,
     drain_plan,
     forecast_at,
     forecast_horizon_s,
+    judge_bounds,
     lead_time_s,
     measure_startup,
     newest_scv,
@@ -33,8 +36,9 @@ from controller.policy.leadtime import (
     since_mix_shift,
     window_spread,
 )
+from controller.policy.normalisation import configured_window, stabilisation_window
 from controller.policy.smoothing import MIX_STATISTICS, choose_lengths
-from controller.policy.state import LengthWindow, RateSample
+from controller.policy.state import BoundSample, LengthWindow, RateSample
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples
 from queueing.pools import PerPool, Pool
@@ -431,7 +435,11 @@ def test_the_new_state_survives_its_json_codec() -> None:
         smoothed_rate_rps=3.0,
         pools=PerPool(
             prefill=PoolState(
-                startup_s=80.0, startup_samples=2, scale_up_since_s=5.0, scale_up_to=3
+                startup_s=80.0,
+                startup_samples=2,
+                scale_up_since_s=5.0,
+                scale_up_to=3,
+                bounds=(BoundSample(time_s=1.0, upper_rps=4.5, ticks=3),),
             ),
             decode=PoolState(),
         ),
@@ -564,6 +572,20 @@ def test_errors_unrelated_to_the_gap_are_taken_about_zero_as_before() -> None:
     assert with_gap.upper_rps == without.upper_rps
 
 
+def _counted_and_smoothed(
+    true: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, tuple[RateSample, ...]]:
+    """A true rate per 30-s tick counted in Poisson windows and smoothed by the
+    controller's EMA: the measured rates, the estimates and their history."""
+    window = CONFIG.window_s
+    measured = rng.poisson(true * window) / window
+    estimates = np.empty(len(true))
+    estimates[0] = measured[0]
+    for i in range(1, len(true)):
+        estimates[i] = (1 - CONFIG.ema_weight) * estimates[i - 1] + CONFIG.ema_weight * measured[i]
+    return measured, estimates, _history(list(measured), list(estimates))
+
+
 def test_on_a_daily_cycle_the_conditioned_bound_covers_the_lead_time_and_plans_less() -> None:
     # A sinusoidal rate (period 40 ticks, 2-10 req/s) counted in Poisson windows and
     # smoothed by the controller's EMA. At each tick after the first hour the bound over
@@ -574,14 +596,9 @@ def test_on_a_daily_cycle_the_conditioned_bound_covers_the_lead_time_and_plans_l
     # point for 1 % over these ticks), and on average plan for less than the
     # unconditioned bound, whose spread is every phase's.
     rng = np.random.default_rng(21)
-    ticks, k, window = 480, 3, CONFIG.window_s
+    ticks, k = 480, 3
     true = 6.0 - 4.0 * np.cos(2 * np.pi * np.arange(ticks) / 40.0)
-    measured = rng.poisson(true * window) / window
-    estimates = np.empty(ticks)
-    estimates[0] = measured[0]
-    for i in range(1, ticks):
-        estimates[i] = (1 - CONFIG.ema_weight) * estimates[i - 1] + CONFIG.ema_weight * measured[i]
-    rates = _history(list(measured), list(estimates))
+    measured, estimates, rates = _counted_and_smoothed(true, rng)
     z = risk_z(0.99)
     exceed = conditioned_sum = plain_sum = 0.0
     checked = 0
@@ -624,3 +641,108 @@ def test_a_queue_the_serving_workers_clear_before_a_new_one_serves_asks_for_noth
     kwargs = {"serving_workers": 2, "packed_service_s": 0.1, "startup_s": 40.0}
     assert drain_plan(PerPool.both(10.0), queue=100.0, interval_s=30.0, **kwargs) is None
     assert drain_plan(PerPool.both(30.0), queue=0.0, interval_s=30.0, **kwargs) is None
+
+
+# -- how the bounds held: the stabilisation window -----------------------------------------
+
+
+JUDGE = {"history_s": 3600.0, "interval_s": 30.0}
+
+
+def test_a_bound_is_judged_against_the_mean_rate_of_the_ticks_its_lead_time_spans() -> None:
+    # Ticks every 30 s measuring 3, 4, 5, 6, 9, 1 req/s. A bound at 0 s over three
+    # ticks meets what arrived over the three ticks after it: (4 + 5 + 6) / 3 = 5 req/s.
+    rates = _history([3.0, 4.0, 5.0, 6.0, 9.0, 1.0], [3.0] * 6)
+
+    def judged(*bounds: BoundSample) -> BoundRecord:
+        return judge_bounds(bounds, rates, now_s=150.0, **JUDGE)
+
+    assert judged(BoundSample(time_s=0.0, upper_rps=4.9, ticks=3)) == BoundRecord(
+        judged=1, exceeded=1
+    )
+    assert judged(BoundSample(time_s=0.0, upper_rps=5.1, ticks=3)) == BoundRecord(
+        judged=1, exceeded=0
+    )
+    # 60 s meets (6 + 9 + 1) / 3 = 5.33 over its 5.3; 90 s has only two ticks after it.
+    assert judged(
+        BoundSample(time_s=60.0, upper_rps=5.3, ticks=3),
+        BoundSample(time_s=90.0, upper_rps=0.1, ticks=3),
+    ) == BoundRecord(judged=1, exceeded=1)
+
+
+def test_a_bound_whose_lead_time_has_a_hole_or_lies_before_the_history_is_not_judged() -> None:
+    whole = _history([5.0] * 8, [5.0] * 8)
+    with_hole = tuple(r for r in whole if r.time_s != 60.0)
+    bound = BoundSample(time_s=0.0, upper_rps=1.0, ticks=3)
+    assert judge_bounds((bound,), whole, now_s=210.0, **JUDGE) == BoundRecord(judged=1, exceeded=1)
+    assert judge_bounds((bound,), with_hole, now_s=210.0, **JUDGE) == BoundRecord(
+        judged=0, exceeded=0
+    )
+    short = {**JUDGE, "history_s": 100.0}
+    assert judge_bounds((bound,), whole, now_s=210.0, **short) == BoundRecord(judged=0, exceeded=0)
+
+
+@pytest.mark.parametrize(
+    ("judged", "exceeded", "holds"),
+    [
+        # n x (1 - 0.99) exceedances are what the risk allows: none below a hundred.
+        (MIN_JUDGED_BOUNDS, 0, True),
+        (99, 1, False),
+        (100, 1, True),
+        (250, 2, True),
+        (250, 3, False),
+        # Too few judged bounds say nothing yet, however well they held.
+        (MIN_JUDGED_BOUNDS - 1, 0, False),
+    ],
+)
+def test_the_window_is_the_lead_time_only_where_the_bound_held_as_often_as_the_risk_allows(
+    judged: int, exceeded: int, holds: bool
+) -> None:
+    lead_s = 135.0
+    window = stabilisation_window(
+        BoundRecord(judged=judged, exceeded=exceeded), lead_s=lead_s, config=CONFIG, quantile=0.99
+    )
+    expected = lead_s if holds else CONFIG.scale_down_stabilisation_s
+    assert window.window_s == expected
+    assert f"{exceeded} of the last {judged}" in window.detail or judged < MIN_JUDGED_BOUNDS
+
+
+def test_a_configured_window_shorter_than_the_lead_time_is_kept() -> None:
+    config = replace(CONFIG, scale_down_stabilisation_s=60.0)
+    window = stabilisation_window(
+        BoundRecord(judged=200, exceeded=0), lead_s=135.0, config=config, quantile=0.99
+    )
+    assert window == configured_window(config)
+
+
+def test_bursts_after_silence_exceed_their_bounds_more_often_than_the_risk_allows() -> None:
+    # The controller's own bound, built at every tick from the hour before it and
+    # judged against what the next three ticks measured. Bursts that come unannounced
+    # after silences (3 minutes at 20 req/s in every 20, Poisson) find the ticks before
+    # each one planned for the silence: their record keeps the configured window.
+    rng = np.random.default_rng(5)
+    ticks, k = 240, 3
+    true = np.where((np.arange(ticks) % 40) >= 34, 20.0, 0.0)
+    measured, estimates, rates = _counted_and_smoothed(true, rng)
+    bounds = tuple(
+        BoundSample(
+            time_s=30.0 * i,
+            upper_rps=rate_upper(
+                rates[:i],
+                estimate_rps=float(estimates[i]),
+                ca2=1.0,
+                lead_s=30.0 * k,
+                z=risk_z(0.99),
+                config=CONFIG,
+                now_s=30.0 * i,
+                measured_rps=float(measured[i]),
+            ).upper_rps,
+            ticks=k,
+        )
+        for i in range(120, ticks)
+    )
+    record = judge_bounds(bounds, rates, now_s=30.0 * (ticks - 1), **JUDGE)
+    assert record.judged >= MIN_JUDGED_BOUNDS
+    assert record.exceeded > math.floor(record.judged * 0.01 + 1e-9)
+    window = stabilisation_window(record, lead_s=30.0 * k, config=CONFIG, quantile=0.99)
+    assert window == replace(window, window_s=CONFIG.scale_down_stabilisation_s)

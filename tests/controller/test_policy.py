@@ -24,7 +24,9 @@ from controller.policy import (
 )
 from controller.policy import decide as decide_with
 from controller.policy.forecast import RecordedArrivals
+from controller.policy.leadtime import lead_time_s
 from controller.policy.normalisation import (
+    configured_window,
     cooldown,
     dead_band,
     normalise,
@@ -35,6 +37,7 @@ from controller.policy.normalisation import (
 from controller.policy.smoothing import smooth
 from controller.policy.state import RateSample
 from controller.policy.steady import overloaded
+from controller.policy.vocabulary import Stage
 from controller.tick import run_tick
 from queueing.catalog import resolve_profile
 from queueing.lengths import LengthSamples, observed_within_context
@@ -49,6 +52,7 @@ CONFIG = ControllerConfig(
     profile="llama-2-70b-tp4@h100-sxm", slo=SloConfig(ttft_p99_s=1.0, tpot_p99_s=0.1)
 )
 PROFILE = resolve_profile(CONFIG.profile)
+WINDOW = configured_window(CONFIG)
 # What a router in front of this 4k-context model would have counted: the requests
 # that fit its context (it rejects the others before they are observed).
 _FITS = ~exceeds_context(_ALL.prompt_tokens, _ALL.output_tokens, PROFILE.max_context_tokens)
@@ -276,30 +280,34 @@ def test_scale_down_waits_for_the_stabilisation_window_then_takes_the_highest_lo
     None
 ):
     pstate = PoolState()
-    got, pstate, entry = stabilise(Pool.DECODE, 6, 10, pstate, CONFIG, 0.0)
+    got, pstate, entry = stabilise(Pool.DECODE, 6, 10, pstate, CONFIG, 0.0, window=WINDOW)
     assert (got, entry.reason if entry else None) == (10, Reason.STABILISING)
-    got, pstate, _ = stabilise(Pool.DECODE, 8, 10, pstate, CONFIG, 150.0)
+    got, pstate, _ = stabilise(Pool.DECODE, 8, 10, pstate, CONFIG, 150.0, window=WINDOW)
     assert got == 10
-    got, pstate, entry = stabilise(Pool.DECODE, 5, 10, pstate, CONFIG, 300.0)
+    got, pstate, entry = stabilise(Pool.DECODE, 5, 10, pstate, CONFIG, 300.0, window=WINDOW)
     assert (got, entry.reason if entry else None) == (8, Reason.STABILISED)
     # A recommendation at or above current resets the window.
-    got, pstate, _ = stabilise(Pool.DECODE, 10, 10, pstate, CONFIG, 330.0)
+    got, pstate, _ = stabilise(Pool.DECODE, 10, 10, pstate, CONFIG, 330.0, window=WINDOW)
     assert pstate.below_since_s is None
 
 
 def test_a_surge_for_a_queue_is_released_at_once_when_the_queue_has_cleared() -> None:
     pstate = PoolState()
     # 4 workers, a steady plan of 5 and 9 to clear a queue: the surge's base is 5.
-    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, CONFIG, 0.0, steady=5)
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, CONFIG, 0.0, steady=5, window=WINDOW)
     assert (got, pstate.surge_base) == (9, 5)
     # Still draining, the steady plan grew: so does the base.
-    got, pstate, _ = stabilise(Pool.PREFILL, 9, 9, pstate, CONFIG, 30.0, steady=6)
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 9, pstate, CONFIG, 30.0, steady=6, window=WINDOW)
     assert (got, pstate.surge_base) == (9, 6)
     # The queue has cleared: back to the base at once, not after the 300-s window.
-    got, pstate, entry = stabilise(Pool.PREFILL, 4, 9, pstate, CONFIG, 60.0, steady=4)
+    got, pstate, entry = stabilise(
+        Pool.PREFILL, 4, 9, pstate, CONFIG, 60.0, steady=4, window=WINDOW
+    )
     assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
     # Once there, the window holds it as before.
-    got, pstate, entry = stabilise(Pool.PREFILL, 4, 6, pstate, CONFIG, 90.0, steady=4)
+    got, pstate, entry = stabilise(
+        Pool.PREFILL, 4, 6, pstate, CONFIG, 90.0, steady=4, window=WINDOW
+    )
     assert (got, entry.reason if entry else None) == (6, Reason.STABILISING)
     assert pstate.surge_base is None
 
@@ -307,63 +315,87 @@ def test_a_surge_for_a_queue_is_released_at_once_when_the_queue_has_cleared() ->
 def test_a_surge_is_held_while_the_queue_it_is_for_is_still_there() -> None:
     # 4 workers, a steady plan of 5 and 9 to clear a queue.
     pstate = PoolState()
-    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, CONFIG, 0.0, steady=5)
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, CONFIG, 0.0, steady=5, window=WINDOW)
     assert (got, pstate.surge_base) == (9, 5)
     # A re-plan of the drain asks for fewer, or none, while the backlog is still
     # observed: the workers still starting are kept.
     behind = "backlog of 169 prompts takes 8.9 s to clear (> the predicted P99 1.8 s)"
     for smaller in (7, 5):
         got, pstate, entry = stabilise(
-            Pool.PREFILL, smaller, 9, pstate, CONFIG, 30.0, steady=5, queue_left=behind
+            Pool.PREFILL,
+            smaller,
+            9,
+            pstate,
+            CONFIG,
+            30.0,
+            steady=5,
+            queue_left=behind,
+            window=WINDOW,
         )
         assert (got, entry.reason if entry else None) == (9, Reason.SURGE_HELD)
         assert entry is not None and behind in entry.detail
         assert pstate.surge_base == 5
     # Once the queue is observed gone, back to the base at once.
-    got, pstate, entry = stabilise(Pool.PREFILL, 5, 9, pstate, CONFIG, 60.0, steady=5)
+    got, pstate, entry = stabilise(
+        Pool.PREFILL, 5, 9, pstate, CONFIG, 60.0, steady=5, window=WINDOW
+    )
     assert (got, entry.reason if entry else None) == (5, Reason.DRAINED)
 
 
 def test_a_burst_is_a_surge_released_once_a_full_window_no_longer_shows_it() -> None:
     # 4 workers; the burst window's rate asks for 7 (no queue: the steady plan is 7).
-    got, pstate, _ = stabilise(Pool.PREFILL, 7, 4, PoolState(), CONFIG, 0.0, steady=7, burst=True)
+    got, pstate, _ = stabilise(
+        Pool.PREFILL, 7, 4, PoolState(), CONFIG, 0.0, steady=7, burst=True, window=WINDOW
+    )
     assert (got, pstate.surge_base) == (7, 4)
     # The next window measures the rate where it was: back to 4 at once, no window.
-    got, pstate, entry = stabilise(Pool.PREFILL, 4, 7, pstate, CONFIG, 30.0, steady=4)
+    got, pstate, entry = stabilise(
+        Pool.PREFILL, 4, 7, pstate, CONFIG, 30.0, steady=4, window=WINDOW
+    )
     assert (got, entry.reason if entry else None) == (4, Reason.DRAINED)
 
 
 def test_a_burst_the_next_window_confirms_is_held_as_a_measured_rate() -> None:
-    got, pstate, _ = stabilise(Pool.PREFILL, 7, 4, PoolState(), CONFIG, 0.0, steady=7, burst=True)
+    got, pstate, _ = stabilise(
+        Pool.PREFILL, 7, 4, PoolState(), CONFIG, 0.0, steady=7, burst=True, window=WINDOW
+    )
     # The full window shows the rate too: no surge any more, a plan like any other...
-    got, pstate, _ = stabilise(Pool.PREFILL, 7, 7, pstate, CONFIG, 30.0, steady=7)
+    got, pstate, _ = stabilise(Pool.PREFILL, 7, 7, pstate, CONFIG, 30.0, steady=7, window=WINDOW)
     assert (got, pstate.surge_base) == (7, None)
     # ... which the stabilisation window holds.
-    got, pstate, entry = stabilise(Pool.PREFILL, 4, 7, pstate, CONFIG, 60.0, steady=4)
+    got, pstate, entry = stabilise(
+        Pool.PREFILL, 4, 7, pstate, CONFIG, 60.0, steady=4, window=WINDOW
+    )
     assert (got, entry.reason if entry else None) == (7, Reason.STABILISING)
 
 
 def test_a_held_surge_follows_the_steady_plan_of_the_windows_not_of_the_burst() -> None:
     # 5 workers; a burst with a queue: 12 to drain it, 8 steady at the burst's rate.
     behind = "backlog of 300 prompts"
-    got, pstate, _ = stabilise(Pool.PREFILL, 12, 5, PoolState(), CONFIG, 0.0, steady=8, burst=True)
+    got, pstate, _ = stabilise(
+        Pool.PREFILL, 12, 5, PoolState(), CONFIG, 0.0, steady=8, burst=True, window=WINDOW
+    )
     assert (got, pstate.surge_base) == (12, 5)
     # Held for its queue; the full window measures a rate that needs 6.
     got, pstate, _ = stabilise(
-        Pool.PREFILL, 10, 12, pstate, CONFIG, 30.0, steady=6, queue_left=behind
+        Pool.PREFILL, 10, 12, pstate, CONFIG, 30.0, steady=6, queue_left=behind, window=WINDOW
     )
     assert (got, pstate.surge_base) == (12, 6)
     # The queue gone: back to what the windows measured, not the burst's 8.
-    got, pstate, entry = stabilise(Pool.PREFILL, 5, 12, pstate, CONFIG, 60.0, steady=5)
+    got, pstate, entry = stabilise(
+        Pool.PREFILL, 5, 12, pstate, CONFIG, 60.0, steady=5, window=WINDOW
+    )
     assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
 
 
 def test_a_surge_releases_only_what_it_added_to_a_pool_the_window_was_holding() -> None:
     # 6 workers held by the window against a steady plan of 3; a queue asks for 10.
     held = PoolState(below_since_s=0.0, below_max=3)
-    got, pstate, _ = stabilise(Pool.PREFILL, 10, 6, held, CONFIG, 30.0, steady=3)
+    got, pstate, _ = stabilise(Pool.PREFILL, 10, 6, held, CONFIG, 30.0, steady=3, window=WINDOW)
     assert (got, pstate.surge_base) == (10, 6)
-    got, pstate, entry = stabilise(Pool.PREFILL, 3, 10, pstate, CONFIG, 60.0, steady=3)
+    got, pstate, entry = stabilise(
+        Pool.PREFILL, 3, 10, pstate, CONFIG, 60.0, steady=3, window=WINDOW
+    )
     assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
 
 
@@ -371,7 +403,14 @@ def _normalise_kwargs() -> dict[str, object]:
     """``normalise``'s arguments at 1 req/s, Poisson, the default config and SLOs."""
     model = CapacityModel.build(LENGTHS, PROFILE, tpot_slo_s=0.1)
     aimed = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.1)
-    return {"model": model, "raw_rate_rps": 1.0, "ca2": 1.0, "aimed": aimed, "config": CONFIG}
+    return {
+        "model": model,
+        "raw_rate_rps": 1.0,
+        "ca2": 1.0,
+        "aimed": aimed,
+        "config": CONFIG,
+        "window": WINDOW,
+    }
 
 
 def test_a_drained_surge_is_not_held_by_the_down_cooldown() -> None:
@@ -1030,3 +1069,46 @@ def test_a_window_beyond_capacity_by_less_than_its_counting_noise_is_no_overload
     clearly = capacity + 2 * z * noise
     assert clearly - z * math.sqrt(clearly * ca2 / window_s) > capacity
     assert overloaded(Pool.PREFILL, observation(0.0, clearly, 2, 2), model, None, **judged)
+
+
+def _first_scale_down_after_a_fall(
+    history: list[float], fallen_rps: float
+) -> tuple[float, float, str]:
+    """Run ``decide`` over ``history`` (one measured rate per 30-s tick, the pools set
+    to each target and ready by the next tick), then at ``fallen_rps``: how long after
+    the fall the prefill pool first scaled down, its lead time then, and the
+    stabilisation entry that let it."""
+    state, current, t = ControllerState(), (1, 1), 0.0
+    for rate in history:
+        d = decide(observation(t, rate, *current), state, CONFIG, now_s=t)
+        state, current, t = d.state, (d.target(Pool.PREFILL), d.target(Pool.DECODE)), t + 30.0
+    fell_s, lead_s = t, lead_time_s(state.pools.prefill, CONFIG)
+    for _ in range(20):
+        d = decide(observation(t, fallen_rps, *current), state, CONFIG, now_s=t)
+        if d.target(Pool.PREFILL) < current[0]:
+            entry = next(
+                r for r in d.reasons if r.stage is Stage.STABILISE and r.pool is Pool.PREFILL
+            )
+            return t - fell_s, lead_s, entry.detail
+        state, current, t = d.state, (d.target(Pool.PREFILL), d.target(Pool.DECODE)), t + 30.0
+    raise AssertionError("the prefill pool never scaled down")
+
+
+def test_a_pool_whose_bounds_held_scales_down_a_lead_time_after_a_fall() -> None:
+    # An hour at a steady 40 req/s: every lead time brought no more than its bound.
+    # After a fall to 10 req/s the pool waits for its lead time (its measured start-up
+    # and a tick), not for the configured window.
+    after_s, lead_s, detail = _first_scale_down_after_a_fall([40.0] * 130, 10.0)
+    assert lead_s + CONFIG.interval_s < CONFIG.scale_down_stabilisation_s
+    assert lead_s <= after_s < lead_s + CONFIG.interval_s
+    assert "lead time" in detail
+
+
+def test_a_pool_whose_bounds_were_exceeded_keeps_the_configured_window() -> None:
+    # The same hour with a two-tick burst to 120 req/s every ten minutes: the ticks
+    # before each burst planned for 40, and the record keeps the configured window.
+    history = [120.0 if i % 20 in (18, 19) else 40.0 for i in range(130)]
+    window_s = CONFIG.scale_down_stabilisation_s
+    after_s, _, detail = _first_scale_down_after_a_fall(history, 10.0)
+    assert window_s <= after_s < window_s + CONFIG.interval_s
+    assert f"{window_s:g}-s stabilisation window" in detail
