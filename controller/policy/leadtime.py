@@ -21,6 +21,8 @@ point estimate plus a fixed margin:
 - ``significant``: whether a count is beyond the noise the measured SCV implies for
   the estimate, or the window-to-window spread actually seen when that is larger
   (``window_spread``; the burst and rate-shift tests of ``smoothing``);
+- ``judge_bounds``: how the pool's past bounds held against what arrived over their
+  lead times, the record ``normalisation.stabilisation_window`` reads;
 - ``pooled_lengths``: the length mix pooled over a longer horizon than one window, so
   a recommendation moves when the mix does and not with the sampling noise of a few
   dozen heavy-tailed requests, and ``since_mix_shift`` starts it again where the

@@ -3,7 +3,8 @@
 The state is persisted after every tick (a file beside the controller, or the
 ``SLOAutoscaler``'s ``status.policyState``), so a restarted controller resumes its
 EMA, cooldowns, stabilisation windows, calibration, measured start-ups, the recent
-rates the lead-time bound reads and the pooled length mix instead of starting over.
+rates the lead-time bound reads, the bounds the stabilisation window judges and the
+pooled length mix instead of starting over.
 """
 
 from __future__ import annotations
