@@ -177,6 +177,12 @@ def measure_startup(
     )
 
 
+def lead_ticks(lead_s: float, interval_s: float) -> int:
+    """The ticks a lead time spans: the first whose window ends at or after it (at
+    least one)."""
+    return max(1, math.ceil(lead_s / interval_s - 1e-9))
+
+
 def lead_time_s(pstate: PoolState, config: ControllerConfig) -> float:
     """The pool's lead time: its measured start-up (the prior until one is measured)
     plus one tick."""
@@ -290,7 +296,7 @@ def rate_upper(
     window = config.window_s
     w = config.ema_weight
     noise_var = w / (2.0 - w) * max(estimate_rps, 0.0) * ca2 / window
-    k = max(1, math.ceil(lead_s / interval - 1e-9))
+    k = lead_ticks(lead_s, interval)
     span_s = (k - 1) * interval + window
     times = np.array([r.time_s for r in rates], dtype=np.float64)
     measured = np.array([r.rate_rps for r in rates], dtype=np.float64)

@@ -152,19 +152,14 @@ def stabilisation_window(
         f"the rate over a lead time exceeded its bound on {record.exceeded} of the last "
         f"{record.judged}"
     )
+    kept = configured_window(config)
     if lead_s >= configured:
-        return configured_window(config)
+        return kept
     if record.judged < MIN_JUDGED_BOUNDS:
-        return StabilisationWindow(
-            window_s=configured,
-            detail=f"{configured:g}-s stabilisation window ({record.judged} lead-time bounds "
-            f"judged, fewer than {MIN_JUDGED_BOUNDS})",
-        )
+        why = f"{record.judged} lead-time bounds judged, fewer than {MIN_JUDGED_BOUNDS}"
+        return replace(kept, detail=f"{kept.detail} ({why})")
     if record.exceeded > allowed:
-        return StabilisationWindow(
-            window_s=configured,
-            detail=f"{configured:g}-s stabilisation window ({record_text}, more than {allowed})",
-        )
+        return replace(kept, detail=f"{kept.detail} ({record_text}, more than {allowed})")
     return StabilisationWindow(window_s=lead_s, detail=f"{lead_s:.0f}-s lead time ({record_text})")
 
 
@@ -173,7 +168,6 @@ def stabilise(
     target: int,
     current: int,
     pstate: PoolState,
-    config: ControllerConfig,
     now_s: float,
     *,
     steady: int | None = None,
@@ -363,7 +357,6 @@ def normalise(
         target,
         current,
         pstate,
-        config,
         now_s,
         steady=steady,
         queue_left=queue_left,

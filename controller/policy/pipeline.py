@@ -24,7 +24,6 @@ function in its own module returning its value and a reason (HPA-style):
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from controller.config import ControllerConfig, Mode
@@ -41,6 +40,7 @@ from controller.policy.leadtime import (
     forecast_at,
     forecast_horizon_s,
     judge_bounds,
+    lead_ticks,
     lead_time_s,
     measure_startup,
     newest_scv,
@@ -312,7 +312,7 @@ def decide(
                 record, lead_s=upper[pool].lead_s, config=config, quantile=DEFAULT_QUANTILE
             )
             if upper[pool].history >= MIN_REGRESSION:
-                ticks = math.ceil(upper[pool].lead_s / config.interval_s - 1e-9)
+                ticks = lead_ticks(upper[pool].lead_s, config.interval_s)
                 sample = BoundSample(time_s=now_s, upper_rps=upper[pool].upper_rps, ticks=ticks)
                 bounds = record_sample(bounds, sample, keep_s=keep_s)
         pstate = replace(

@@ -280,34 +280,30 @@ def test_scale_down_waits_for_the_stabilisation_window_then_takes_the_highest_lo
     None
 ):
     pstate = PoolState()
-    got, pstate, entry = stabilise(Pool.DECODE, 6, 10, pstate, CONFIG, 0.0, window=WINDOW)
+    got, pstate, entry = stabilise(Pool.DECODE, 6, 10, pstate, 0.0, window=WINDOW)
     assert (got, entry.reason if entry else None) == (10, Reason.STABILISING)
-    got, pstate, _ = stabilise(Pool.DECODE, 8, 10, pstate, CONFIG, 150.0, window=WINDOW)
+    got, pstate, _ = stabilise(Pool.DECODE, 8, 10, pstate, 150.0, window=WINDOW)
     assert got == 10
-    got, pstate, entry = stabilise(Pool.DECODE, 5, 10, pstate, CONFIG, 300.0, window=WINDOW)
+    got, pstate, entry = stabilise(Pool.DECODE, 5, 10, pstate, 300.0, window=WINDOW)
     assert (got, entry.reason if entry else None) == (8, Reason.STABILISED)
     # A recommendation at or above current resets the window.
-    got, pstate, _ = stabilise(Pool.DECODE, 10, 10, pstate, CONFIG, 330.0, window=WINDOW)
+    got, pstate, _ = stabilise(Pool.DECODE, 10, 10, pstate, 330.0, window=WINDOW)
     assert pstate.below_since_s is None
 
 
 def test_a_surge_for_a_queue_is_released_at_once_when_the_queue_has_cleared() -> None:
     pstate = PoolState()
     # 4 workers, a steady plan of 5 and 9 to clear a queue: the surge's base is 5.
-    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, CONFIG, 0.0, steady=5, window=WINDOW)
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, 0.0, steady=5, window=WINDOW)
     assert (got, pstate.surge_base) == (9, 5)
     # Still draining, the steady plan grew: so does the base.
-    got, pstate, _ = stabilise(Pool.PREFILL, 9, 9, pstate, CONFIG, 30.0, steady=6, window=WINDOW)
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 9, pstate, 30.0, steady=6, window=WINDOW)
     assert (got, pstate.surge_base) == (9, 6)
     # The queue has cleared: back to the base at once, not after the 300-s window.
-    got, pstate, entry = stabilise(
-        Pool.PREFILL, 4, 9, pstate, CONFIG, 60.0, steady=4, window=WINDOW
-    )
+    got, pstate, entry = stabilise(Pool.PREFILL, 4, 9, pstate, 60.0, steady=4, window=WINDOW)
     assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
     # Once there, the window holds it as before.
-    got, pstate, entry = stabilise(
-        Pool.PREFILL, 4, 6, pstate, CONFIG, 90.0, steady=4, window=WINDOW
-    )
+    got, pstate, entry = stabilise(Pool.PREFILL, 4, 6, pstate, 90.0, steady=4, window=WINDOW)
     assert (got, entry.reason if entry else None) == (6, Reason.STABILISING)
     assert pstate.surge_base is None
 
@@ -315,7 +311,7 @@ def test_a_surge_for_a_queue_is_released_at_once_when_the_queue_has_cleared() ->
 def test_a_surge_is_held_while_the_queue_it_is_for_is_still_there() -> None:
     # 4 workers, a steady plan of 5 and 9 to clear a queue.
     pstate = PoolState()
-    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, CONFIG, 0.0, steady=5, window=WINDOW)
+    got, pstate, _ = stabilise(Pool.PREFILL, 9, 4, pstate, 0.0, steady=5, window=WINDOW)
     assert (got, pstate.surge_base) == (9, 5)
     # A re-plan of the drain asks for fewer, or none, while the backlog is still
     # observed: the workers still starting are kept.
@@ -326,7 +322,6 @@ def test_a_surge_is_held_while_the_queue_it_is_for_is_still_there() -> None:
             smaller,
             9,
             pstate,
-            CONFIG,
             30.0,
             steady=5,
             queue_left=behind,
@@ -336,36 +331,30 @@ def test_a_surge_is_held_while_the_queue_it_is_for_is_still_there() -> None:
         assert entry is not None and behind in entry.detail
         assert pstate.surge_base == 5
     # Once the queue is observed gone, back to the base at once.
-    got, pstate, entry = stabilise(
-        Pool.PREFILL, 5, 9, pstate, CONFIG, 60.0, steady=5, window=WINDOW
-    )
+    got, pstate, entry = stabilise(Pool.PREFILL, 5, 9, pstate, 60.0, steady=5, window=WINDOW)
     assert (got, entry.reason if entry else None) == (5, Reason.DRAINED)
 
 
 def test_a_burst_is_a_surge_released_once_a_full_window_no_longer_shows_it() -> None:
     # 4 workers; the burst window's rate asks for 7 (no queue: the steady plan is 7).
     got, pstate, _ = stabilise(
-        Pool.PREFILL, 7, 4, PoolState(), CONFIG, 0.0, steady=7, burst=True, window=WINDOW
+        Pool.PREFILL, 7, 4, PoolState(), 0.0, steady=7, burst=True, window=WINDOW
     )
     assert (got, pstate.surge_base) == (7, 4)
     # The next window measures the rate where it was: back to 4 at once, no window.
-    got, pstate, entry = stabilise(
-        Pool.PREFILL, 4, 7, pstate, CONFIG, 30.0, steady=4, window=WINDOW
-    )
+    got, pstate, entry = stabilise(Pool.PREFILL, 4, 7, pstate, 30.0, steady=4, window=WINDOW)
     assert (got, entry.reason if entry else None) == (4, Reason.DRAINED)
 
 
 def test_a_burst_the_next_window_confirms_is_held_as_a_measured_rate() -> None:
     got, pstate, _ = stabilise(
-        Pool.PREFILL, 7, 4, PoolState(), CONFIG, 0.0, steady=7, burst=True, window=WINDOW
+        Pool.PREFILL, 7, 4, PoolState(), 0.0, steady=7, burst=True, window=WINDOW
     )
     # The full window shows the rate too: no surge any more, a plan like any other...
-    got, pstate, _ = stabilise(Pool.PREFILL, 7, 7, pstate, CONFIG, 30.0, steady=7, window=WINDOW)
+    got, pstate, _ = stabilise(Pool.PREFILL, 7, 7, pstate, 30.0, steady=7, window=WINDOW)
     assert (got, pstate.surge_base) == (7, None)
     # ... which the stabilisation window holds.
-    got, pstate, entry = stabilise(
-        Pool.PREFILL, 4, 7, pstate, CONFIG, 60.0, steady=4, window=WINDOW
-    )
+    got, pstate, entry = stabilise(Pool.PREFILL, 4, 7, pstate, 60.0, steady=4, window=WINDOW)
     assert (got, entry.reason if entry else None) == (7, Reason.STABILISING)
 
 
@@ -373,29 +362,25 @@ def test_a_held_surge_follows_the_steady_plan_of_the_windows_not_of_the_burst() 
     # 5 workers; a burst with a queue: 12 to drain it, 8 steady at the burst's rate.
     behind = "backlog of 300 prompts"
     got, pstate, _ = stabilise(
-        Pool.PREFILL, 12, 5, PoolState(), CONFIG, 0.0, steady=8, burst=True, window=WINDOW
+        Pool.PREFILL, 12, 5, PoolState(), 0.0, steady=8, burst=True, window=WINDOW
     )
     assert (got, pstate.surge_base) == (12, 5)
     # Held for its queue; the full window measures a rate that needs 6.
     got, pstate, _ = stabilise(
-        Pool.PREFILL, 10, 12, pstate, CONFIG, 30.0, steady=6, queue_left=behind, window=WINDOW
+        Pool.PREFILL, 10, 12, pstate, 30.0, steady=6, queue_left=behind, window=WINDOW
     )
     assert (got, pstate.surge_base) == (12, 6)
     # The queue gone: back to what the windows measured, not the burst's 8.
-    got, pstate, entry = stabilise(
-        Pool.PREFILL, 5, 12, pstate, CONFIG, 60.0, steady=5, window=WINDOW
-    )
+    got, pstate, entry = stabilise(Pool.PREFILL, 5, 12, pstate, 60.0, steady=5, window=WINDOW)
     assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
 
 
 def test_a_surge_releases_only_what_it_added_to_a_pool_the_window_was_holding() -> None:
     # 6 workers held by the window against a steady plan of 3; a queue asks for 10.
     held = PoolState(below_since_s=0.0, below_max=3)
-    got, pstate, _ = stabilise(Pool.PREFILL, 10, 6, held, CONFIG, 30.0, steady=3, window=WINDOW)
+    got, pstate, _ = stabilise(Pool.PREFILL, 10, 6, held, 30.0, steady=3, window=WINDOW)
     assert (got, pstate.surge_base) == (10, 6)
-    got, pstate, entry = stabilise(
-        Pool.PREFILL, 3, 10, pstate, CONFIG, 60.0, steady=3, window=WINDOW
-    )
+    got, pstate, entry = stabilise(Pool.PREFILL, 3, 10, pstate, 60.0, steady=3, window=WINDOW)
     assert (got, entry.reason if entry else None) == (6, Reason.DRAINED)
 
 
