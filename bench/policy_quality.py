@@ -20,10 +20,13 @@ metric, ``sara`` / ``sara-forecast`` with a 60-s measurement window, ``sara`` wi
 ``sara-forecast`` with a 180-s trend window. ``--bounds`` adds ``reactive-oracle``
 (the oracle's plan asked for only when each window starts: what any policy that
 reacts to the load can reach at best); ``--dispersion`` prints how bursty each
-workload is at the controller's scales and stops.
+workload is at the controller's scales and stops. ``--draw K`` runs the five
+synthetic workloads' K-th other draw instead (their generators seeded afresh: the
+same shapes, rates, lengths and SLOs, other arrivals), to tell what a result owes to
+the shape from what it owes to one draw of it.
 
     .venv/bin/python bench/policy_quality.py [--jobs 2] [--markdown] [--quick] [--sensitivity]
-        [--bounds] [--dispersion]
+        [--bounds] [--dispersion] [--draw K]
 """
 
 from __future__ import annotations
@@ -130,18 +133,44 @@ def _long_context_lengths(rng: np.random.Generator, count: int) -> LengthSamples
     return LengthSamples(prompt_tokens=prompt, output_tokens=output, source="arXiv x k documents")
 
 
+SYNTHETIC = ("diurnal", "long", "step", "onoff", "weekly")
+
+
+def drawn(name: str, draw: int) -> str:
+    """The name of ``name``'s ``draw``-th other draw: its generator seeded afresh, the
+    same shape, rates, lengths and SLOs (``diurnal#2``). Draw 0 is the bench's own;
+    the two real traces have only that one."""
+    if draw < 0:
+        raise ValueError(f"draw: must be >= 0, got {draw}")
+    if draw == 0:
+        return name
+    if name not in SYNTHETIC:
+        raise ValueError(f"draw: {name!r} is a recorded trace and has no other draws")
+    return f"{name}#{draw}"
+
+
 @functools.cache
 def workload(name: str) -> Workload:
-    """Build a workload (once per process)."""
-    if name == "conv":
+    """Build a workload (once per process); ``NAME#K`` is ``drawn(NAME, K)``."""
+    base, _, draw_text = name.partition("#")
+    if draw_text and not draw_text.isdigit():
+        raise ValueError(f"workload: the draw in {name!r} must be a whole number")
+    draw = int(draw_text) if draw_text else 0
+    if draw and base not in SYNTHETIC:
+        raise ValueError(f"workload: {base!r} has no draw {draw}")
+
+    def rng_for(seed: int) -> np.random.Generator:
+        return np.random.default_rng(seed if draw == 0 else (seed, draw))
+
+    if base == "conv":
         # The whole hour replayed 2.5 times as fast: every recorded request, 2.5 x the rate.
         trace = load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv", speedup=2.5)
         return Workload(name, trace, _scenario("llama-3.1-70b-tp4@a100-80g"))
-    if name == "code":
+    if base == "code":
         trace = load_trace(TRACES / "AzureLLMInferenceTrace_code.csv")
         return Workload(name, trace, _scenario("llama-3.1-70b-tp4@h100-sxm"))
-    if name == "diurnal":
-        rng = np.random.default_rng(7)
+    if base == "diurnal":
+        rng = rng_for(7)
         lengths = load_lengths(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
         arrivals = diurnal_arrivals(
             mean_rate_rps=10.0,
@@ -158,8 +187,8 @@ def workload(name: str) -> Workload:
             source="ShareGPT lengths, diurnal (2 x 20-min days, peak/trough 4), Gamma SCV 4",
         )
         return Workload(name, trace, _scenario("llama-3.1-70b-tp4@h100-sxm"))
-    if name == "long":
-        rng = np.random.default_rng(11)
+    if base == "long":
+        rng = rng_for(11)
         arrivals = gamma_arrivals(rate_rps=3.0, ca2=9.0, duration_s=1800.0, rng=rng)
         trace = synthesize(
             arrival_s=arrivals,
@@ -169,8 +198,8 @@ def workload(name: str) -> Workload:
         )
         slo = SloTargets(ttft_p99_s=30.0, tpot_p99_s=0.1)
         return Workload(name, trace, _scenario("llama-3.1-70b-tp4@h100-sxm", slo))
-    if name == "step":
-        rng = np.random.default_rng(13)
+    if base == "step":
+        rng = rng_for(13)
         lengths = load_lengths(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
         arrivals = np.concatenate(
             [
@@ -186,8 +215,8 @@ def workload(name: str) -> Workload:
         )
         slo = SloTargets(ttft_p99_s=1.0, tpot_p99_s=0.05)
         return Workload(name, trace, _scenario("llama-3-8b@h100-sxm", slo))
-    if name == "onoff":
-        rng = np.random.default_rng(17)
+    if base == "onoff":
+        rng = rng_for(17)
         conv = load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv")
         lengths = LengthSamples(
             prompt_tokens=conv.prompt_tokens.astype(np.int64),
@@ -209,8 +238,8 @@ def workload(name: str) -> Workload:
         )
         slo = SloTargets(ttft_p99_s=1.5, tpot_p99_s=0.08)
         return Workload(name, trace, _scenario("mistral-7b@a100-80g", slo))
-    if name == "weekly":
-        rng = np.random.default_rng(19)
+    if base == "weekly":
+        rng = rng_for(19)
         lengths = load_lengths(ARXIV)
         day_s = 480.0
 
@@ -553,6 +582,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument(
+        "--draw",
+        type=int,
+        default=0,
+        help="run the synthetic workloads' K-th other draw (seeded afresh; 0 = the bench's)",
+    )
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--sensitivity", action="store_true", help="add the variants")
     parser.add_argument(
@@ -572,6 +607,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     names = args.workloads.split(",")
+    if args.draw:
+        names = [drawn(n, args.draw) for n in names if n in SYNTHETIC]
     if args.dispersion:
         print(dispersion(names))
         return

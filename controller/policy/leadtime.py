@@ -143,13 +143,24 @@ def measure_startup(
     Readiness is seen only at ticks, so the elapsed time overstates the start-up by
     between 0 and one interval; half an interval is taken off (the expected
     overstatement when a worker becomes ready at a uniform moment between ticks).
-    A scale-up overtaken by a smaller target is dropped unmeasured.
+    A scale-up overtaken by a smaller target is timed on the workers it leaves: a
+    pool shrinks by its newest workers first (the simulator, the local actuator, and
+    Kubernetes, which deletes not-ready pods first), so while the pool still holds
+    more than before the decision, the ones above that were started by it. Cut back
+    to what the pool had, or with no record of that, it is dropped unmeasured: a
+    pool whose burst surges are released before their workers serve would otherwise
+    keep the prior for good.
     """
     since, wanted = pstate.scale_up_since_s, pstate.scale_up_to
     if since is None or wanted is None:
         return pstate, None
     if seen.current_replicas < wanted:
-        return replace(pstate, scale_up_since_s=None, scale_up_to=None), None
+        before = pstate.scale_up_from
+        if before is None or seen.current_replicas <= before:
+            dropped = replace(pstate, scale_up_since_s=None, scale_up_to=None, scale_up_from=None)
+            return dropped, None
+        wanted = seen.current_replicas
+        pstate = replace(pstate, scale_up_to=wanted)
     if seen.ready_replicas < wanted:
         return pstate, None
     sample_s = max(0.0, now_s - since - 0.5 * config.interval_s)
@@ -164,6 +175,7 @@ def measure_startup(
             pstate,
             scale_up_since_s=None,
             scale_up_to=None,
+            scale_up_from=None,
             startup_s=startup_s,
             startup_samples=n + 1,
         ),

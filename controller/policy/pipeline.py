@@ -364,7 +364,12 @@ def decide(
             pstate = replace(pstate, last_change_s=now_s, below_since_s=None, below_max=None)
             if targets[pool] > current[pool] and not advisory:
                 # Timed until every asked-for worker is ready (``measure_startup``).
-                pstate = replace(pstate, scale_up_since_s=now_s, scale_up_to=targets[pool])
+                pstate = replace(
+                    pstate,
+                    scale_up_since_s=now_s,
+                    scale_up_to=targets[pool],
+                    scale_up_from=current[pool],
+                )
             verdict = Reason.SCALE_UP if targets[pool] > current[pool] else Reason.SCALE_DOWN
             detail = f"{current[pool]} -> {targets[pool]}"
         else:

@@ -45,6 +45,7 @@ class PoolState:
     transient_s: float | None = None  # the last tick that saw the pool in a transient
     scale_up_since_s: float | None = None  # a scale-up not yet all ready: decided then
     scale_up_to: int | None = None  # ... to this many workers
+    scale_up_from: int | None = None  # ... from this many (the workers it did not start)
     startup_s: float | None = None  # measured decision-to-ready start-up, seconds
     startup_samples: int = 0  # scale-ups measured
     # The lead-time bounds this pool planned for, built from a full history, whose

@@ -213,8 +213,9 @@ def test_the_startup_is_measured_from_the_decision_to_every_worker_ready() -> No
     assert again.startup_s == pytest.approx((75.0 + 45.0) / 2)
 
 
-def test_a_scale_up_overtaken_by_a_smaller_target_is_dropped_unmeasured() -> None:
-    pending = PoolState(scale_up_since_s=100.0, scale_up_to=4)
+def test_a_scale_up_cut_back_to_the_pools_old_size_is_dropped_unmeasured() -> None:
+    # Asked 3 -> 4, then back to 3 before the new worker served: it was never timed.
+    pending = PoolState(scale_up_since_s=100.0, scale_up_to=4, scale_up_from=3)
     got, entry = measure_startup(
         Pool.DECODE,
         PoolObservation(current_replicas=3, ready_replicas=3),
@@ -223,7 +224,41 @@ def test_a_scale_up_overtaken_by_a_smaller_target_is_dropped_unmeasured() -> Non
         200.0,
     )
     assert got.scale_up_since_s is None and got.startup_s is None and entry is None
+    assert got.scale_up_from is None
     assert lead_time_s(got, CONFIG) == CONFIG.lead_time.startup_prior_s + CONFIG.interval_s
+    # A pending scale-up persisted without its old size is dropped the same way.
+    legacy, entry = measure_startup(
+        Pool.DECODE,
+        PoolObservation(current_replicas=3, ready_replicas=3),
+        PoolState(scale_up_since_s=100.0, scale_up_to=4),
+        CONFIG,
+        200.0,
+    )
+    assert legacy.scale_up_since_s is None and legacy.startup_s is None and entry is None
+
+
+def test_a_scale_up_partly_cut_back_is_timed_on_the_workers_it_left() -> None:
+    # Asked 1 -> 4 at 100 s, cut to 3 at the next tick: the pool sheds its newest
+    # workers first, so the two kept above the old 1 were started at 100 s.
+    pending = PoolState(scale_up_since_s=100.0, scale_up_to=4, scale_up_from=1)
+    waiting, entry = measure_startup(
+        Pool.DECODE,
+        PoolObservation(current_replicas=3, ready_replicas=1),
+        pending,
+        CONFIG,
+        130.0,
+    )
+    assert entry is None and waiting.scale_up_to == 3 and waiting.scale_up_since_s == 100.0
+    done, entry = measure_startup(
+        Pool.DECODE,
+        PoolObservation(current_replicas=3, ready_replicas=3),
+        waiting,
+        CONFIG,
+        160.0,
+    )
+    assert entry is not None and entry.reason is Reason.STARTUP_MEASURED
+    assert done.startup_s == pytest.approx(60.0 - CONFIG.interval_s / 2)
+    assert done.scale_up_since_s is None and done.scale_up_from is None
 
 
 def test_the_mix_is_pooled_over_the_last_windows() -> None:
@@ -439,6 +474,7 @@ def test_the_new_state_survives_its_json_codec() -> None:
                 startup_samples=2,
                 scale_up_since_s=5.0,
                 scale_up_to=3,
+                scale_up_from=1,
                 bounds=(BoundSample(time_s=1.0, upper_rps=4.5, ticks=3),),
             ),
             decode=PoolState(),

@@ -1097,3 +1097,17 @@ def test_a_pool_whose_bounds_were_exceeded_keeps_the_configured_window() -> None
     after_s, _, detail = _first_scale_down_after_a_fall(history, 10.0)
     assert window_s <= after_s < window_s + CONFIG.interval_s
     assert f"{window_s:g}-s stabilisation window" in detail
+
+
+def test_a_scale_up_is_timed_from_the_size_it_started_from() -> None:
+    # What the pool had is kept beside the target, so a target cut back before every
+    # new worker serves can still be timed on the workers the cut left.
+    up = decide(observation(0.0, 40.0, 1, 1), ControllerState(), CONFIG, now_s=0.0)
+    for pool in Pool:
+        pstate = up.state.pools[pool]
+        assert up.target(pool) > 1
+        assert (pstate.scale_up_since_s, pstate.scale_up_to, pstate.scale_up_from) == (
+            0.0,
+            up.target(pool),
+            1,
+        )
