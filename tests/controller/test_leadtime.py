@@ -11,7 +11,7 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.observation import PoolObservation
-from controller.policy import ControllerState, PoolState, Reason
+from controller.policy import ControllerState, PoolState, Reason, ReasonEntry
 from controller.policy.leadtime import (
     MAX_WINDOW_SAMPLES,
     MIN_JUDGED_BOUNDS,
@@ -179,36 +179,28 @@ def test_a_gap_in_the_history_is_not_read_as_a_lead_time() -> None:
     assert bound.history == 0
 
 
+def _timed(
+    pstate: PoolState, *, current: int, ready: int, now_s: float, pool: Pool = Pool.PREFILL
+) -> tuple[PoolState, ReasonEntry | None]:
+    """``measure_startup`` at a tick that sees ``current`` workers, ``ready`` of them ready."""
+    seen = PoolObservation(current_replicas=current, ready_replicas=ready)
+    return measure_startup(pool, seen, pstate, CONFIG, now_s)
+
+
 def test_the_startup_is_measured_from_the_decision_to_every_worker_ready() -> None:
     pending = PoolState(scale_up_since_s=100.0, scale_up_to=4)
     # Not all ready yet: still pending.
-    still, entry = measure_startup(
-        Pool.PREFILL,
-        PoolObservation(current_replicas=4, ready_replicas=3),
-        pending,
-        CONFIG,
-        160.0,
-    )
+    still, entry = _timed(pending, current=4, ready=3, now_s=160.0)
     assert still == pending and entry is None
-    done, entry = measure_startup(
-        Pool.PREFILL,
-        PoolObservation(current_replicas=4, ready_replicas=4),
-        pending,
-        CONFIG,
-        190.0,
-    )
+    done, entry = _timed(pending, current=4, ready=4, now_s=190.0)
     # 90 s seen at tick resolution: half a tick is taken off.
     assert done.startup_s == pytest.approx(90.0 - CONFIG.interval_s / 2)
     assert done.startup_samples == 1 and done.scale_up_since_s is None
     assert entry is not None and entry.reason is Reason.STARTUP_MEASURED
     assert lead_time_s(done, CONFIG) == pytest.approx(75.0 + CONFIG.interval_s)
     # The second sample is averaged in (weight 1/2 while under 1/ema_weight samples).
-    again, _ = measure_startup(
-        Pool.PREFILL,
-        PoolObservation(current_replicas=5, ready_replicas=5),
-        replace(done, scale_up_since_s=200.0, scale_up_to=5),
-        CONFIG,
-        260.0,
+    again, _ = _timed(
+        replace(done, scale_up_since_s=200.0, scale_up_to=5), current=5, ready=5, now_s=260.0
     )
     assert again.startup_s == pytest.approx((75.0 + 45.0) / 2)
 
@@ -216,23 +208,17 @@ def test_the_startup_is_measured_from_the_decision_to_every_worker_ready() -> No
 def test_a_scale_up_cut_back_to_the_pools_old_size_is_dropped_unmeasured() -> None:
     # Asked 3 -> 4, then back to 3 before the new worker served: it was never timed.
     pending = PoolState(scale_up_since_s=100.0, scale_up_to=4, scale_up_from=3)
-    got, entry = measure_startup(
-        Pool.DECODE,
-        PoolObservation(current_replicas=3, ready_replicas=3),
-        pending,
-        CONFIG,
-        200.0,
-    )
+    got, entry = _timed(pending, current=3, ready=3, now_s=200.0, pool=Pool.DECODE)
     assert got.scale_up_since_s is None and got.startup_s is None and entry is None
     assert got.scale_up_from is None
     assert lead_time_s(got, CONFIG) == CONFIG.lead_time.startup_prior_s + CONFIG.interval_s
     # A pending scale-up persisted without its old size is dropped the same way.
-    legacy, entry = measure_startup(
-        Pool.DECODE,
-        PoolObservation(current_replicas=3, ready_replicas=3),
+    legacy, entry = _timed(
         PoolState(scale_up_since_s=100.0, scale_up_to=4),
-        CONFIG,
-        200.0,
+        current=3,
+        ready=3,
+        now_s=200.0,
+        pool=Pool.DECODE,
     )
     assert legacy.scale_up_since_s is None and legacy.startup_s is None and entry is None
 
@@ -241,21 +227,9 @@ def test_a_scale_up_partly_cut_back_is_timed_on_the_workers_it_left() -> None:
     # Asked 1 -> 4 at 100 s, cut to 3 at the next tick: the pool sheds its newest
     # workers first, so the two kept above the old 1 were started at 100 s.
     pending = PoolState(scale_up_since_s=100.0, scale_up_to=4, scale_up_from=1)
-    waiting, entry = measure_startup(
-        Pool.DECODE,
-        PoolObservation(current_replicas=3, ready_replicas=1),
-        pending,
-        CONFIG,
-        130.0,
-    )
+    waiting, entry = _timed(pending, current=3, ready=1, now_s=130.0, pool=Pool.DECODE)
     assert entry is None and waiting.scale_up_to == 3 and waiting.scale_up_since_s == 100.0
-    done, entry = measure_startup(
-        Pool.DECODE,
-        PoolObservation(current_replicas=3, ready_replicas=3),
-        waiting,
-        CONFIG,
-        160.0,
-    )
+    done, entry = _timed(waiting, current=3, ready=3, now_s=160.0, pool=Pool.DECODE)
     assert entry is not None and entry.reason is Reason.STARTUP_MEASURED
     assert done.startup_s == pytest.approx(60.0 - CONFIG.interval_s / 2)
     assert done.scale_up_since_s is None and done.scale_up_from is None
