@@ -362,8 +362,12 @@ def decide(
         pstate = normalised[pool][1]
         if targets[pool] != current[pool]:
             pstate = replace(pstate, last_change_s=now_s, below_since_s=None, below_max=None)
-            if targets[pool] > current[pool] and not advisory:
+            if targets[pool] > current[pool] and not advisory and pstate.scale_up_since_s is None:
                 # Timed until every asked-for worker is ready (``measure_startup``).
+                # While one is being timed, a further scale-up is not: its workers
+                # serve after the pending ones, so restarting the clock on each step
+                # of a climb (or of a surge that is then cut back) would leave
+                # nothing timed.
                 pstate = replace(
                     pstate,
                     scale_up_since_s=now_s,

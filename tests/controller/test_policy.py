@@ -1111,3 +1111,22 @@ def test_a_scale_up_is_timed_from_the_size_it_started_from() -> None:
             up.target(pool),
             1,
         )
+
+
+def test_a_scale_up_while_one_is_being_timed_leaves_its_clock_running() -> None:
+    # Asked 1 -> 3 at 0 s, none of the two ready at 30 s, and the load asks for more:
+    # the new workers serve after the pending ones, so the clock stays on those.
+    pending = ControllerState(
+        smoothed_rate_rps=40.0,
+        lengths=LENGTHS,
+        pools=PerPool.both(PoolState(scale_up_since_s=0.0, scale_up_to=3, scale_up_from=1)),
+    )
+    seen = replace(
+        observation(30.0, 400.0, 3, 3, prefill_ready=1),
+        decode=PoolObservation(current_replicas=3, ready_replicas=1),
+    )
+    more = decide(seen, pending, CONFIG, now_s=30.0)
+    for pool in Pool:
+        assert more.target(pool) > 3
+        pstate = more.state.pools[pool]
+        assert (pstate.scale_up_since_s, pstate.scale_up_to, pstate.scale_up_from) == (0.0, 3, 1)
