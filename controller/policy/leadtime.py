@@ -15,7 +15,8 @@ point estimate plus a fixed margin:
   actually moved over horizons of that length in the recent history (the upward
   errors of past estimates against the rate realised over the lead time after them,
   net of the counting noise of that realised rate, which the solver's queueing
-  model already carries through c²), conditioned, where the history shows a
+  model already carries through c², and of the past estimate's own noise, which
+  the first part already carries), conditioned, where the history shows a
   significant relation, on the window's gap to the estimate (an EMA's lag behind a
   moving rate), so a trough is not planned for the rising flank's errors;
 - ``significant``: whether a count is beyond the noise the measured SCV implies for
@@ -299,10 +300,13 @@ def rate_upper(
     about zero. Either way the drift variance is 2·mean(max(r, 0)²) of the
     residuals r (the upper semi-variance, which for a symmetric error is the
     variance: a fall in the rate is no risk for the plan) less the counting noise of
-    the realised mean (estimate·c²/span), never below zero. The drift's part of the
-    bound reaches no higher than the highest rate the history realised over a lead
-    time or the window measured now (a ramp into new territory has been seen there),
-    and the bound is never below the estimate plus its own noise part.
+    the realised mean (estimate·c²/span) and the past estimate's own noise (w/(2-w)
+    of a window's), never below zero: the first the queueing model carries, the
+    second the noise part, so a steady rate's bound is its estimate's noise alone.
+    The drift's part of the bound reaches no higher than the highest rate the
+    history realised over a lead time or the window measured now (a ramp into new
+    territory has been seen there), and the bound is never below the estimate plus
+    its own noise part.
     """
     interval = config.interval_s
     window = config.window_s
@@ -328,7 +332,11 @@ def rate_upper(
         realised, realised_max = np.zeros(0), 0.0
     errors = realised - estimates[known]
     gaps = measured[known] - estimates[known]
-    counting = np.maximum(estimates[known], 0.0) * scvs[known] / span_s
+    # An error holds the realised mean's counting noise (the solver's queueing model
+    # carries it through c²) and the past estimate's own noise (the bound's noise
+    # part carries today's): neither is the rate moving.
+    counted = np.maximum(estimates[known], 0.0) * scvs[known]
+    counting = counted / span_s + w / (2.0 - w) * counted / window
     floor = max(estimate_rps, 0.0) + z * math.sqrt(noise_var)
     drift_var, expected, fit_var = 0.0, 0.0, 0.0
     line = None

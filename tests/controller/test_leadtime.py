@@ -124,16 +124,43 @@ def test_the_drift_is_the_upper_semivariance_of_past_errors_over_the_lead_time()
     )
     errors = [np.mean(measured[i + 1 : i + 3]) - 10.0 for i in range(len(measured) - 2)]
     span = 30.0 + CONFIG.window_s
-    drift_var = 2 * np.mean(np.square(np.maximum(errors, 0.0))) - 10.0 * 1.0 / span
-    assert bound.history == len(errors)
-    assert bound.drift_rps == pytest.approx(math.sqrt(drift_var))
     w = CONFIG.ema_weight
     noise_var = w / (2 - w) * 10.0 / CONFIG.window_s
+    # Less the realised mean's counting noise and the past estimates' own noise.
+    semivariance = 2 * np.mean(np.square(np.maximum(errors, 0.0)))
+    drift_var = semivariance - 10.0 * 1.0 / span - noise_var
+    assert bound.history == len(errors)
+    assert bound.drift_rps == pytest.approx(math.sqrt(drift_var))
     unbounded = 10.0 + 2.0 * math.sqrt(noise_var + drift_var)
     # The history never realised more than 12 req/s over a lead time: the drift's
     # part stops there.
     assert unbounded > 12.0
     assert bound.upper_rps == pytest.approx(12.0)
+
+
+def test_a_steady_rate_has_no_drift_beyond_its_estimates_own_noise() -> None:
+    # A past estimate's error over its lead time holds the realised mean's counting
+    # noise and the estimate's own noise. Both are taken off: on a steady Poisson
+    # rate, counting only the first off would leave a drift variance equal to the
+    # estimate's noise variance, counted again beside it. What is left is the
+    # semivariance's sampling noise, clamped at zero: over forty hours of history,
+    # on average well under half of the noise's variance.
+    ratios = []
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        _, estimates, rates = _counted_and_smoothed(np.full(121, 10.0), rng)
+        bound = rate_upper(
+            rates[:120],
+            estimate_rps=float(estimates[120]),
+            ca2=1.0,
+            lead_s=90.0,
+            z=risk_z(0.99),
+            config=CONFIG,
+            now_s=3600.0,
+        )
+        assert bound.history > 100
+        ratios.append((bound.drift_rps / bound.noise_rps) ** 2)
+    assert float(np.mean(ratios)) < 0.5
 
 
 def test_a_window_beyond_the_history_and_its_noise_lifts_the_drift_ceiling() -> None:
@@ -158,8 +185,8 @@ def test_a_window_beyond_the_history_and_its_noise_lifts_the_drift_ceiling() -> 
         ).upper_rps
 
     # Every past error is +2, so no line in the gaps: the errors are taken about zero.
-    drift_var = 2 * 2.0**2 - 10.0 / (30.0 + CONFIG.window_s)
     noise_var = CONFIG.ema_weight / (2 - CONFIG.ema_weight) * 10.0 / CONFIG.window_s
+    drift_var = 2 * 2.0**2 - 10.0 / (30.0 + CONFIG.window_s) - noise_var
     unbounded = 10.0 + 2.0 * math.sqrt(noise_var + drift_var)
     assert unbounded > 13.0
     # 13 is within one spread of 12: the ceiling stays at the history's 12.
