@@ -151,11 +151,17 @@ class ScrapeSource:
     # -- scraping ------------------------------------------------------------------------
 
     def scrape(self) -> Snapshot:
-        """Read every URL now and keep the snapshot; a URL that fails is left out."""
-        time_s = self._clock()
-        if self._ring and time_s < self._ring[-1].time_s:
+        """Read every URL now and keep the snapshot; a URL that fails is left out.
+
+        The snapshot is timed at the middle of its reads: each exporter rendered its
+        values somewhere between the request and the response, so a read slowed by a
+        busy exporter moves the time by at most half its round trip (timed at the
+        request, a window whose newest read was slow would count that delay's
+        arrivals over the window's span)."""
+        started_s = self._clock()
+        if self._ring and started_s < self._ring[-1].time_s:
             raise ValueError(
-                f"clock: went backwards from {self._ring[-1].time_s} to {time_s} (use a "
+                f"clock: went backwards from {self._ring[-1].time_s} to {started_s} (use a "
                 "monotonic clock)"
             )
         with ThreadPoolExecutor(max_workers=min(16, len(self._urls))) as executor:
@@ -170,6 +176,7 @@ class ScrapeSource:
                     continue
                 self._failures.succeeded(url)
                 answered.add(url)
+        time_s = 0.5 * (started_s + self._clock())
         snapshot = Snapshot(time_s=time_s, answered=frozenset(answered), values=values)
         self._ring.append(snapshot)
         horizon = max(MAX_SPAN * max(self._window_s, self._burst_window_s), self._scv_span_s)
