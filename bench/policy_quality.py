@@ -138,15 +138,11 @@ SYNTHETIC = ("diurnal", "long", "step", "onoff", "weekly")
 
 def drawn(name: str, draw: int) -> str:
     """The name of ``name``'s ``draw``-th other draw: its generator seeded afresh, the
-    same shape, rates, lengths and SLOs (``diurnal#2``). Draw 0 is the bench's own;
-    the two real traces have only that one."""
+    same shape, rates, lengths and SLOs (``diurnal#2``; ``workload`` builds it, and
+    only the synthetic five have other draws). Draw 0 is the bench's own."""
     if draw < 0:
         raise ValueError(f"draw: must be >= 0, got {draw}")
-    if draw == 0:
-        return name
-    if name not in SYNTHETIC:
-        raise ValueError(f"draw: {name!r} is a recorded trace and has no other draws")
-    return f"{name}#{draw}"
+    return f"{name}#{draw}" if draw else name
 
 
 @functools.cache
@@ -157,7 +153,7 @@ def workload(name: str) -> Workload:
         raise ValueError(f"workload: the draw in {name!r} must be a whole number")
     draw = int(draw_text) if draw_text else 0
     if draw and base not in SYNTHETIC:
-        raise ValueError(f"workload: {base!r} has no draw {draw}")
+        raise ValueError(f"workload: {base!r} is a recorded trace and has no draw {draw}")
 
     def rng_for(seed: int) -> np.random.Generator:
         return np.random.default_rng(seed if draw == 0 else (seed, draw))
